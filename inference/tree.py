@@ -1,0 +1,253 @@
+"""Candidate trees for speculative decoding: static (Medusa `choices`) and dynamic (EAGLE-2 style).
+
+A tree has N nodes in breadth-first order. Node 0 is the root: the token the target already chose at
+the previous step (it is not in the KV cache yet). Every other node is a drafted token, child of
+`parents[i] < i`. The target verifies all N nodes in one forward pass where node i attends to the
+prefix and to its ancestors (itself included), at position `prefix_len + depth[i]`.
+
+Static trees are written as `choices`: the path of per-depth top-k ranks from the root to each
+node, e.g. [[0], [1], [0, 0]] = the top-1 and top-2 guesses at depth 1, and the top-1 guess at
+depth 2 under the top-1 guess at depth 1. Every prefix of a path must itself be a node.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+# The Medusa reference's sparse tree is 63 nodes for 5 heads; on CPU the verify cost grows fast with
+# the tree, so the default is small (chosen by `best_choices` under DEFAULT_ACCURACY below).
+DEFAULT_CHOICES: list[list[int]] = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
+
+# Prior per-(depth, rank) acceptance rates used when the heads directory has none: the top-1 rates
+# reported for Medusa-1 on Vicuna-7B (.56/.32/.20/.15/.12), with rank r at a depth given
+# top1 * 0.5**r (a geometric fall-off). Row d = depth d + 1 (head d), column = rank.
+DEFAULT_TOP1 = [0.56, 0.32, 0.20, 0.15, 0.12]
+DEFAULT_ACCURACY: list[list[float]] = [[a * 0.5**r for r in range(8)] for a in DEFAULT_TOP1]
+
+
+@dataclass
+class Tree:
+    """Topology of a candidate tree (no tokens). Lists are indexed by node, node 0 is the root."""
+
+    parents: list[int]  # parents[0] == -1, parents[i] < i
+    depths: list[int]  # depths[0] == 0
+    ranks: list[int]  # rank of node i among its parent's children (0 for the root)
+    children: list[list[int]]  # children in rank order
+    paths: list[list[int]]  # one per leaf: node indices from the root to that leaf
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """bool [N, N]: entry (i, j) is True when j is i or an ancestor of i."""
+        n = self.size
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[i, j] = True
+                j = self.parents[j]
+        return mask
+
+    def attention_mask(self, prefix_len: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+        """Additive float mask [1, 1, N, prefix_len + N]: 0 where node i may attend, dtype-min elsewhere.
+
+        Every node sees the whole prefix (the KV cache) and its own ancestors inside the tree.
+        """
+        allowed = torch.cat([torch.ones(self.size, prefix_len, dtype=torch.bool), self.ancestor_mask()], dim=1)
+        mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype)
+        mask.masked_fill_(allowed, 0.0)
+        return mask[None, None].to(device)  # [1, 1, N, prefix_len + N]
+
+    def position_ids(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[1, N]: prefix_len + depth of every node."""
+        return (torch.tensor(self.depths, dtype=torch.long) + prefix_len)[None].to(device)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node`, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] | None = None) -> Tree:
+    """Build a Tree from a parent list (parents[0] == -1, parents[i] < i); ranks order the siblings."""
+    n = len(parents)
+    if n == 0 or parents[0] != -1:
+        raise ValueError("a tree needs a root: parents[0] must be -1")
+    for i in range(1, n):
+        if not 0 <= parents[i] < i:
+            raise ValueError(f"node {i} has parent {parents[i]}; parents must come before their children")
+    if ranks is None:
+        ranks = [0] * n
+        seen: dict[int, int] = {}
+        for i in range(1, n):
+            ranks[i] = seen.get(parents[i], 0)
+            seen[parents[i]] = ranks[i] + 1
+    depths = [0] * n
+    children: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+        children[parents[i]].append(i)
+    for kids in children:
+        kids.sort(key=lambda c: ranks[c])
+    tree = Tree(parents=list(parents), depths=depths, ranks=list(ranks), children=children, paths=[])
+    tree.paths = [tree.path_to(i) for i in range(n) if not children[i]]
+    return tree
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]]) -> Tree:
+    """Static tree from Medusa-style `choices` (paths of per-depth top-k ranks; the root is implicit).
+
+    Nodes are ordered by depth, then lexicographically by path, so node i's parent precedes it.
+    """
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    for p in paths:
+        if len(p) == 0:
+            raise ValueError("choices must not contain the empty path (the root is implicit)")
+        if min(p) < 0:
+            raise ValueError(f"choice {list(p)} has a negative rank")
+    index = {(): 0}
+    parents, ranks = [-1], [0]
+    for p in paths:
+        if p[:-1] not in index:
+            raise ValueError(f"choice {list(p)} has no parent {list(p[:-1])} in choices; add every prefix of a path")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+    return tree_from_parents(parents, ranks)
+
+
+def tree_choices(tree: Tree) -> list[list[int]]:
+    """Inverse of `tree_from_choices`: the rank path of every non-root node."""
+    return [[tree.ranks[j] for j in tree.path_to(i)[1:]] for i in range(1, tree.size)]
+
+
+def static_tree_tokens(tree: Tree, root_token: int, topk_tokens: torch.Tensor) -> torch.Tensor:
+    """Tokens [N] of a static Medusa tree: node at depth d with rank r gets topk_tokens[d - 1, r].
+
+    topk_tokens: [depth, k] token ids ranked per depth (row d - 1 from head d - 1).
+    """
+    if tree.max_depth > topk_tokens.shape[0]:
+        raise ValueError(f"tree depth {tree.max_depth} exceeds the {topk_tokens.shape[0]} draft depths available")
+    tokens = torch.empty(tree.size, dtype=torch.long)
+    tokens[0] = root_token
+    depth_idx = torch.tensor(tree.depths[1:], dtype=torch.long) - 1
+    rank_idx = torch.tensor(tree.ranks[1:], dtype=torch.long)
+    tokens[1:] = topk_tokens.cpu()[depth_idx, rank_idx]
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a static tree from measured accuracies
+
+
+def path_value(path: Sequence[int], accuracy: Sequence[Sequence[float]]) -> float:
+    """Probability that the whole rank path is accepted: product of accuracy[depth][rank] along it."""
+    value = 1.0
+    for d, r in enumerate(path):
+        if d >= len(accuracy) or r >= len(accuracy[d]):
+            return 0.0
+        value *= accuracy[d][r]
+    return value
+
+
+def expected_accept_length(choices: Sequence[Sequence[int]], accuracy: Sequence[Sequence[float]]) -> float:
+    """Expected tokens per verify step: 1 (the target's own token) + sum over nodes of path values."""
+    return 1.0 + sum(path_value(c, accuracy) for c in choices)
+
+
+def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth: int | None = None) -> list[list[int]]:
+    """Greedy sparse tree: add, `num_nodes` times, the frontier node with the largest path value.
+
+    accuracy[d][r] = P(rank-r token of depth d+1 is right | its parent is right). A child's value is
+    at most its parent's, so the greedy frontier choice maximises the expected accepted length
+    (sum of path values) over connected trees of `num_nodes` drafted nodes (the root not counted).
+    """
+    max_depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
+    chosen: list[list[int]] = []
+    # heap of (-value, path); start with the root's children
+    frontier = [(-path_value([r], accuracy), [r]) for r in range(len(accuracy[0]))] if max_depth > 0 else []
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < num_nodes:
+        neg_value, path = heapq.heappop(frontier)
+        if -neg_value <= 0.0:
+            break
+        chosen.append(path)
+        if len(path) < max_depth:
+            for r in range(len(accuracy[len(path)])):
+                child = path + [r]
+                heapq.heappush(frontier, (-path_value(child, accuracy), child))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic tree (EAGLE-2 style), driven by any draft callable
+
+# draft(tokens [n], parents [n], frontier [F]) -> log-probs [F, V] of the next token after each
+# frontier node, given the partial tree so far (node 0 = root).
+DraftFn = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+@dataclass
+class DynamicTreeConfig:
+    topk: int = 4  # children per expanded node, and frontier width
+    depth: int = 4  # expansion steps
+    total_tokens: int = 16  # nodes kept, root included
+
+
+def build_dynamic_tree(root_token: int, draft: DraftFn, config: DynamicTreeConfig) -> tuple[Tree, torch.Tensor]:
+    """Expand the top-k frontier by cumulative log-prob for `depth` steps, keep the best nodes.
+
+    Returns (tree, tokens [N]) with N <= total_tokens. The kept set is connected: a node enters only
+    after its parent (scores fall along a path, and ties go to the shallower node).
+    """
+    tokens = [root_token]
+    parents = [-1]
+    scores = [0.0]
+    frontier = [0]
+    for _ in range(config.depth):
+        logp = draft(torch.tensor(tokens, dtype=torch.long), parents, frontier)  # [F, V]
+        top_lp, top_tok = logp.float().topk(config.topk, dim=-1)  # [F, topk]
+        new_nodes: list[int] = []
+        for f, node in enumerate(frontier):
+            for j in range(config.topk):
+                tokens.append(int(top_tok[f, j]))
+                parents.append(node)
+                scores.append(scores[node] + float(top_lp[f, j]))
+                new_nodes.append(len(tokens) - 1)
+        # the next frontier: the best `topk` of the new nodes by cumulative score
+        new_nodes.sort(key=lambda i: -scores[i])
+        frontier = [i for i in new_nodes[: config.topk] if scores[i] > -math.inf]
+        if not frontier:
+            break
+    depth_of = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depth_of[i] = depth_of[parents[i]] + 1
+    order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depth_of[i], i))
+    kept = {0}
+    for i in order:
+        if len(kept) >= config.total_tokens:
+            break
+        if parents[i] in kept and scores[i] > -math.inf:
+            kept.add(i)
+    # relabel in breadth-first order; siblings ordered by score (best first)
+    old = sorted(kept, key=lambda i: (depth_of[i], -scores[i], i))
+    new_index = {o: n for n, o in enumerate(old)}
+    new_parents = [-1] + [new_index[parents[o]] for o in old[1:]]
+    tree = tree_from_parents(new_parents)
+    new_tokens = torch.tensor([tokens[o] for o in old], dtype=torch.long)
+    return tree, new_tokens
