@@ -1,0 +1,323 @@
+"""Decode loop: greedy exactness against model.generate, KV compaction, EOS, tau, bad input, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from heads.medusa import MedusaConfig, MedusaHeads
+from heads.target import fingerprint
+from inference.generate import (DraftInput, GenerateOutput, Speculator, SpeculatorError, TextStream, calibrate_tree,
+                                main)
+from inference.tree import Tree, static_tree_tokens, tree_from_choices
+
+VOCAB = 128
+PROMPT_LEN = 8
+NEW = 128
+ORACLE_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0],
+                  [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0, 0]]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: one thread is faster, and steadier on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_heads(num_heads: int = 3, seed: int = 0, target=None) -> MedusaHeads:
+    """Untrained heads with random lm_heads (zero-init blocks + random lm_head): random guesses."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=num_heads))
+    if target is not None:
+        heads.config.target = {"name": "tiny", "fingerprint": fingerprint(target)}
+    return heads.eval()
+
+
+class OracleProposer:
+    """Test-only draft that knows the target's greedy continuation `ref` (prompt + output).
+
+    At each depth it puts the true next token at rank 0 with probability p_top, at rank 1 or 2
+    otherwise (or nowhere), and random tokens elsewhere, so accepted paths are long, often go
+    through non-first siblings, and the KV cache gets compacted from scattered tree nodes.
+    """
+
+    def __init__(self, ref: list[int], tree: Tree, seed: int, p_top: float = 0.75):
+        self.ref = ref
+        self.tree = tree
+        self.rng = random.Random(seed)
+        self.p_top = p_top
+        self.calls = 0
+
+    def __call__(self, draft: DraftInput):
+        self.calls += 1
+        assert draft.context[-1] == draft.root
+        k = max(self.tree.ranks) + 1
+        topk = torch.empty(self.tree.max_depth, k, dtype=torch.long)
+        for d in range(self.tree.max_depth):
+            pos = len(draft.context) + d
+            row = self.rng.sample(range(VOCAB), k)
+            if pos < len(self.ref):
+                true = self.ref[pos]
+                row = [t for t in row if t != true][: k - 1]
+                u = self.rng.random()
+                where = 0 if u < self.p_top else (1 if u < self.p_top + 0.1 else (2 if u < self.p_top + 0.15 else None))
+                row.insert(where if where is not None else k - 1, true if where is not None else self.rng.randrange(VOCAB))
+            topk[d] = torch.tensor(row[:k])
+        return self.tree, static_tree_tokens(self.tree, draft.root, topk)
+
+
+def reference(model, prompts: torch.Tensor, new: int, eos: int | None = None) -> list[list[int]]:
+    """model.generate greedy, batched (equal-length prompts: no padding), cut after the first eos."""
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos if eos is not None else 0)[:, prompts.shape[1]:]
+    refs = []
+    for row in out.tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        refs.append(row)
+    return refs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma"])
+def test_greedy_exact_50_prompts(model_type):
+    """fp32 greedy: speculative output == model.generate, 50 prompts x 128 tokens, oracle draft on all
+    50 (long accepted paths, scattered compaction) and random untrained heads on 10."""
+    model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    gen = torch.Generator().manual_seed(3)
+    prompts = torch.randint(3, VOCAB, (50, PROMPT_LEN), generator=gen)
+    refs = reference(model, prompts, NEW)
+    tree = tree_from_choices(ORACLE_CHOICES)
+    forwards = tokens = 0
+    hist = [0] * (tree.max_depth + 1)
+    for i in range(50):
+        full = prompts[i].tolist() + refs[i]
+        out = spec.generate(prompts[i], NEW, stop_token_ids=[], proposer=OracleProposer(full, tree, seed=i))
+        assert out.tokens == refs[i], f"{model_type} prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
+        forwards += out.stats.decode_forwards
+        tokens += out.stats.new_tokens
+        for a, n in enumerate(out.stats.accept_hist):
+            hist[a] += n
+    assert tokens / forwards > 2.0, f"oracle draft should give long accepted paths, tau {tokens / forwards:.2f}"
+    assert hist[tree.max_depth] > 0 and sum(hist[1:-1]) > 0 and hist[0] > 0  # full, partial and no acceptance
+    for i in range(10):
+        out = spec.generate(prompts[i], NEW, stop_token_ids=[])
+        assert out.tokens == refs[i], f"{model_type} random heads, prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
+
+
+def _first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "mistral"])
+def test_greedy_exact_other_families_and_eager(model_type):
+    for attn in ("sdpa", "eager"):
+        model = tiny_model(model_type, vocab_size=VOCAB, seed=4, attn_implementation=attn)
+        spec = Speculator(model, random_heads(seed=5))
+        prompts = torch.randint(3, VOCAB, (6, PROMPT_LEN), generator=torch.Generator().manual_seed(6))
+        refs = reference(model, prompts, 64)
+        tree = tree_from_choices(ORACLE_CHOICES)
+        for i in range(6):
+            full = prompts[i].tolist() + refs[i]
+            out = spec.generate(prompts[i], 64, stop_token_ids=[], proposer=OracleProposer(full, tree, seed=i))
+            assert out.tokens == refs[i], f"{model_type}/{attn} prompt {i}"
+
+
+def test_eos_inside_accepted_chunk_ends_output():
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    prompts = torch.randint(3, VOCAB, (20, PROMPT_LEN), generator=torch.Generator().manual_seed(7))
+    free = reference(model, prompts, 64)
+    tree = tree_from_choices(ORACLE_CHOICES)
+    checked_mid_chunk = 0
+    for i in range(20):
+        eos = free[i][20]  # a token the target emits around position 20: it ends the output there (or earlier)
+        ref = reference(model, prompts[i: i + 1], 64, eos=eos)[0]
+        assert ref[-1] == eos and len(ref) <= 21
+        seen_chunks: list[list[int]] = []
+        out = spec.generate(prompts[i], 64, stop_token_ids=[eos], on_tokens=seen_chunks.append,
+                            proposer=OracleProposer(prompts[i].tolist() + free[i], tree, seed=i, p_top=0.95))
+        assert out.tokens == ref and out.stopped
+        assert [t for c in seen_chunks for t in c] == out.tokens  # streaming saw exactly the output
+        checked_mid_chunk += int(len(seen_chunks[-1]) > 1)
+    assert checked_mid_chunk > 0  # the stop token was inside a multi-token accepted chunk at least once
+
+
+def test_max_new_tokens_is_exact_and_stats_consistent():
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(8))
+    ref = reference(model, prompt[None], 40)[0]
+    tree = tree_from_choices(ORACLE_CHOICES)
+    for n in (1, 2, 7, 40):
+        out = spec.generate(prompt, n, stop_token_ids=[], proposer=OracleProposer(prompt.tolist() + ref, tree, seed=n))
+        assert out.tokens == ref[:n]
+        s = out.stats
+        assert s.new_tokens == n and sum(s.accept_hist) == s.decode_forwards
+        # every decode step emits its kept drafted tokens plus the bonus (the last step may be cut by max_new_tokens)
+        emitted = 1 + sum((a + 1) * c for a, c in enumerate(s.accept_hist))
+        assert emitted >= n and (s.decode_forwards == 0 or emitted - n <= tree.max_depth)
+        if s.decode_forwards:
+            assert s.tau == pytest.approx(n / s.decode_forwards)
+
+
+def test_untrained_heads_give_tau_close_to_one():
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=9))
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(10))
+    out = spec.generate(prompt, 128, stop_token_ids=[])
+    # 128 tokens: 1 from the prefill + at least one per decode forward; random heads rarely hit
+    assert out.stats.decode_forwards >= 110
+    assert 1.0 < out.stats.tau < 1.2
+    assert out.stats.draft_s > 0 and out.stats.verify_s > 0
+
+
+def test_lm_head_initialised_heads_copy_the_target():
+    """Zero blocks + the target's lm_head: every head predicts the target's next token (not t+k+1),
+    so acceptance is low on random models too; but the output stays exact."""
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    heads = random_heads(seed=2)
+    heads.init_lm_heads_from(model.lm_head.weight)
+    spec = Speculator(model, heads)
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(11))
+    assert spec.generate(prompt, 48, stop_token_ids=[]).tokens == reference(model, prompt[None], 48)[0]
+
+
+def test_sampling_is_seeded_and_valid():
+    model = tiny_model("qwen2", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(12))
+    a = spec.generate(prompt, 30, temperature=0.8, top_p=0.9, seed=1, stop_token_ids=[])
+    b = spec.generate(prompt, 30, temperature=0.8, top_p=0.9, seed=1, stop_token_ids=[])
+    c = spec.generate(prompt, 30, temperature=0.8, top_p=0.9, seed=2, stop_token_ids=[])
+    assert a.tokens == b.tokens and a.tokens != c.tokens and len(a.tokens) == 30
+    t = spec.generate(prompt, 30, temperature=0.8, acceptance="typical", seed=1, stop_token_ids=[])
+    assert len(t.tokens) == 30 and all(0 <= x < VOCAB for x in t.tokens)
+    with pytest.raises(SpeculatorError, match="acceptance"):
+        spec.generate(prompt, 5, temperature=0.8, acceptance="nope")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, tree.json, bad input, CLI
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    vocab["<unk>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="w2")
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A tiny target saved with a tokenizer, and random heads recording its name and fingerprint."""
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    target_dir = tmp_path / "target"
+    model.save_pretrained(target_dir)
+    _tokenizer().save_pretrained(target_dir)
+    heads = random_heads(seed=2)
+    heads.config.target = {"name": str(target_dir), "fingerprint": fingerprint(model)}
+    heads_dir = tmp_path / "heads"
+    heads.save_pretrained(heads_dir)
+    return model, target_dir, heads_dir
+
+
+def test_from_pretrained_loads_named_target_and_is_exact(saved):
+    model, target_dir, heads_dir = saved
+    spec = Speculator.from_pretrained(str(heads_dir))
+    assert fingerprint(spec.model) == fingerprint(model) and spec.tokenizer is not None
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(13))
+    assert spec.generate(prompt, 32, stop_token_ids=[]).tokens == reference(model, prompt[None], 32)[0]
+    spec2 = Speculator.from_pretrained(str(heads_dir), target=model)  # a loaded, matching target
+    assert spec2.model is model
+
+
+def test_fingerprint_mismatch_names_both_and_the_fix(saved):
+    _, _, heads_dir = saved
+    other = tiny_model("llama", vocab_size=VOCAB, seed=99)
+    with pytest.raises(SpeculatorError) as err:
+        Speculator.from_pretrained(str(heads_dir), target=other)
+    msg = str(err.value)
+    want = json.loads((heads_dir / "config.json").read_text())["target"]["fingerprint"]
+    assert want in msg and fingerprint(other) in msg and "load the target the heads were trained on" in msg
+
+
+def test_unknown_heads_path(tmp_path):
+    with pytest.raises(SpeculatorError, match="not found: no such directory"):
+        Speculator.from_pretrained(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpeculatorError, match="has no config.json"):
+        Speculator.from_pretrained(str(tmp_path / "empty"))
+    with pytest.raises(SpeculatorError, match="Hugging Face Hub"):  # offline in tests: a clear message, not a traceback
+        Speculator.from_pretrained("no-such-user/no-such-heads")
+
+
+def test_prompt_longer_than_context_and_zero_tokens():
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1, max_position_embeddings=64)
+    spec = Speculator(model, random_heads(seed=2))
+    with pytest.raises(SpeculatorError, match="max_position_embeddings.*shorten the prompt"):
+        spec.generate(torch.randint(3, VOCAB, (70,)), 4)
+    with pytest.raises(SpeculatorError, match="lower max_new_tokens to at most 4"):
+        spec.generate(torch.randint(3, VOCAB, (60,)), 10)
+    with pytest.raises(SpeculatorError, match="max_new_tokens must be a positive integer"):
+        spec.generate(torch.randint(3, VOCAB, (8,)), 0)
+    with pytest.raises(ValueError):  # SpeculatorError is a ValueError
+        spec.generate(torch.randint(3, VOCAB, (8,)), -1)
+
+
+def test_tree_auto_writes_tree_json_and_is_reused(saved):
+    model, _, heads_dir = saved
+    spec = Speculator.from_pretrained(str(heads_dir), target=model, tree="auto")
+    record = json.loads((heads_dir / "tree.json").read_text())
+    assert record["accuracy_source"] == "default prior"
+    assert set(record["step_ms"]) == {"1", "4", "8", "16", "32", "64"}
+    best = max(record["expected_tokens_per_s"], key=lambda k: record["expected_tokens_per_s"][k])
+    assert len(record["choices"]) + 1 == int(best) == spec.tree.size
+    again = Speculator.from_pretrained(str(heads_dir), target=model)  # tree=None: reads tree.json
+    assert again.tree.parents == spec.tree.parents
+    default = Speculator.from_pretrained(str(heads_dir), target=model, tree="default")
+    assert default.tree.size == 8
+
+
+def test_calibrate_uses_recorded_accuracy(saved):
+    model, _, heads_dir = saved
+    heads = random_heads(seed=2)
+    # perfect top-1 heads: the chain [[0], [0, 0], [0, 0, 0]] gives 4 tokens per step at a small tree
+    calib = calibrate_tree(model, heads, accuracy=[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], sizes=(1, 4), repeats=1,
+                           prefix_len=32)
+    assert calib.choices == [[0], [0, 0], [0, 0, 0]] and calib.expected_accept_length == 4.0
+    assert calib.accuracy_source == "heads"
+
+
+def test_cli_streams_and_reports(saved, capsys):
+    _, _, heads_dir = saved
+    rc = main(["--heads", str(heads_dir), "--prompt", "w5 w6 w7 w8", "--max_new_tokens", "12", "--tree", "default"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "tau" in captured.err and "tokens/s" in captured.err
+    assert len(captured.out.split()) >= 1  # streamed words
+    rc = main(["--heads", str(heads_dir / "missing"), "--prompt", "w5", "--max_new_tokens", "4"])
+    assert rc == 2 and "not found" in capsys.readouterr().err
+    rc = main(["--heads", str(heads_dir), "--prompt", "w5", "--max_new_tokens", "0"])
+    assert rc == 2 and "max_new_tokens" in capsys.readouterr().err
+
+
+def test_text_stream_writes_only_new_text():
+    tok = _tokenizer()
+    written: list[str] = []
+    stream = TextStream(tok, written.append)
+    ids = tok("w5 w6 w7")["input_ids"]
+    stream(ids[:1])
+    stream(ids[1:])
+    assert "".join(written) == tok.decode(ids, skip_special_tokens=True)
