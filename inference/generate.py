@@ -29,8 +29,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.tree import (DEFAULT_ACCURACY, DEFAULT_CHOICES, Tree, best_choices, expected_accept_length,
-                            static_tree_tokens, tree_choices, tree_from_choices)
+from inference.tree import (DEFAULT_ACCURACY, Tree, best_choices, default_choices, expected_accept_length,
+                            static_tree_tokens, tree_from_choices)
 from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 TREE_FILE = "tree.json"
@@ -434,7 +434,7 @@ class Speculator:
         self.heads = heads
         self.tokenizer = tokenizer
         self.heads_dir = heads_dir
-        choices = DEFAULT_CHOICES if choices is None else choices
+        choices = default_choices(heads.config.num_heads) if choices is None else choices
         choices = [list(c) for c in choices if len(c) <= heads.config.num_heads]
         self.tree = tree_from_choices(choices)
         self.lm_head_weight = model.get_output_embeddings().weight if heads.config.share_lm_head else None
@@ -501,7 +501,7 @@ class Speculator:
             else:
                 tree = "default"
         if tree == "default":
-            choices = DEFAULT_CHOICES
+            choices = default_choices(self.heads.config.num_heads)
         elif tree == "auto":
             choices = self.calibrate().choices
         elif isinstance(tree, (str, Path)):

@@ -19,15 +19,20 @@ from typing import Callable, Sequence
 
 import torch
 
-# The Medusa reference's sparse tree is 63 nodes for 5 heads; on CPU the verify cost grows fast with
-# the tree, so the default is small (chosen by `best_choices` under DEFAULT_ACCURACY below).
-DEFAULT_CHOICES: list[list[int]] = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-
-# Prior per-(depth, rank) acceptance rates used when the heads directory has none: the top-1 rates
-# reported for Medusa-1 on Vicuna-7B (.56/.32/.20/.15/.12), with rank r at a depth given
-# top1 * 0.5**r (a geometric fall-off). Row d = depth d + 1 (head d), column = rank.
+# Prior per-(depth, rank) acceptance rates, used when the heads directory records none. Row d is
+# depth d + 1 (head d), column r is rank r; each entry is P(right | parent right). Built from the top-1
+# accuracies reported for Medusa-1 on Vicuna-7B (.56/.32/.20/.15/.12, unconditional): the conditional
+# rate of head k is a_k / a_(k-1); rank r gets the top-1 rate times 0.5**r (an assumed fall-off).
 DEFAULT_TOP1 = [0.56, 0.32, 0.20, 0.15, 0.12]
-DEFAULT_ACCURACY: list[list[float]] = [[a * 0.5**r for r in range(8)] for a in DEFAULT_TOP1]
+DEFAULT_ACCURACY: list[list[float]] = [
+    [(DEFAULT_TOP1[d] / (DEFAULT_TOP1[d - 1] if d else 1.0)) * 0.5**r for r in range(8)] for d in range(len(DEFAULT_TOP1))
+]
+DEFAULT_TREE_NODES = 7  # drafted nodes of the default tree: small, since on CPU a wide verify costs 2-4x a step
+
+
+def default_choices(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> list[list[int]]:
+    """The best tree of `num_nodes` drafted nodes under the prior DEFAULT_ACCURACY, depth <= num_heads."""
+    return best_choices(DEFAULT_ACCURACY, num_nodes, max_depth=num_heads)
 
 
 @dataclass
@@ -251,3 +256,6 @@ def build_dynamic_tree(root_token: int, draft: DraftFn, config: DynamicTreeConfi
     tree = tree_from_parents(new_parents)
     new_tokens = torch.tensor([tokens[o] for o in old], dtype=torch.long)
     return tree, new_tokens
+
+
+DEFAULT_CHOICES: list[list[int]] = default_choices(len(DEFAULT_TOP1))
