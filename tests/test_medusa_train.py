@@ -1,0 +1,216 @@
+"""train/medusa.py end to end on a tiny random target and synthetic self-distilled rows: exact resume,
+2-process equivalence, Medusa-2 adapter round trip, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from heads.medusa import load_medusa, load_medusa_heads
+from heads.target import load_target
+from train.config import ConfigError
+from train.data import DataError
+from train.medusa import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_selfdistilled(path: Path, target_dir: Path, num_rows: int = 24, seed: int = 0, fingerprint=None) -> Path:
+    """A synthetic self-distilled run dir (dataset/ + meta.json) with the columns of train/selfdistill.py.
+
+    Each row: a user turn (mask 0) then an assistant answer (mask 1) that repeats a short pattern, ending with eos.
+    """
+    _, tokenizer, info = load_target(str(target_dir))
+    eos, vocab = tokenizer.eos_token_id, len(tokenizer)
+    rng = random.Random(seed)
+    rows = []
+    for i in range(num_rows):
+        user = [rng.randrange(4, vocab) for _ in range(rng.randrange(3, 8))]
+        pattern = [rng.randrange(4, vocab) for _ in range(3)]
+        answer = (pattern * 6)[: rng.randrange(6, 16)] + [eos]
+        ids = user + answer
+        rows.append({"id": f"r{i}", "category": "synthetic", "conversation": [{"role": "user", "content": "x"}],
+                     "input_ids": ids, "loss_mask": [0] * len(user) + [1] * len(answer), "num_generated": len(answer)})
+    path.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).save_to_disk(str(path / "dataset"))
+    meta = {"target": {**info.to_dict(), **({"fingerprint": fingerprint} if fingerprint else {})}, "rows": num_rows}
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tiny_target_dir, tmp_path_factory):
+    return write_selfdistilled(tmp_path_factory.mktemp("sd"), tiny_target_dir)
+
+
+def base_args(target_dir, data_dir, out, *extra) -> list[str]:
+    return ["--target", str(target_dir), "--data_dir", str(data_dir), "--output_dir", str(out), "--num_heads", "3",
+            "--per_device_batch_size", "2", "--eval_rows", "4", "--learning_rate", "1e-2", "--seed", "0", *map(str, extra)]
+
+
+def heads_state(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "heads" / "model.safetensors")
+
+
+def test_train_writes_heads_dir(tiny_target_dir, sd_dir, tmp_path):
+    metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--num_epochs", "3"))
+    heads_dir = tmp_path / "heads"
+    assert {"config.json", "model.safetensors", "README.md", "metrics.json"} <= {p.name for p in heads_dir.iterdir()}
+    config = json.loads((heads_dir / "config.json").read_text())
+    _, _, info = load_target(str(tiny_target_dir))
+    assert config["method"] == "medusa" and config["target"]["fingerprint"] == info.fingerprint
+    assert config["hidden_size"] == info.hidden_size and config["vocab_size"] == info.vocab_size
+    saved = json.loads((heads_dir / "metrics.json").read_text())
+    assert saved["top1"] == metrics["top1"] and len(saved["top1"]) == 3 and len(saved["top5"]) == 3
+    assert len(saved["rank_accuracy"]) == 3 and all(len(r) == 10 for r in saved["rank_accuracy"])
+    for k in range(3):  # rank accuracies are exact-rank probabilities: they sum to top-5 over the first 5
+        assert abs(sum(saved["rank_accuracy"][k][:5]) - saved["top5"][k]) < 1e-3
+        assert saved["rank_accuracy"][k][0] == pytest.approx(saved["top1"][k], abs=1e-3)
+    assert saved["train_rows"] == 20 and saved["eval_rows"] == 4 and saved["steps"] == 30
+    card = (heads_dir / "README.md").read_text()
+    assert "Medusa-1" in card and info.fingerprint in card and "| 1 |" in card
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 30 and log[-1]["loss"] < log[0]["loss"]  # it learns the repeated patterns
+    heads = load_medusa_heads(heads_dir, info)
+    assert heads.config.num_heads == 3
+
+
+def test_feature_cache_matches_online_features(tiny_target_dir, sd_dir, tmp_path):
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "a", "--num_epochs", "2"))
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "b", "--num_epochs", "2", "--feature_cache", "true"))
+    a, b = heads_state(tmp_path / "a"), heads_state(tmp_path / "b")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+
+
+def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path):
+    """Stop after step 4 (as if killed) with checkpoints every 2 steps, resume to 12 == uninterrupted 12 steps."""
+    common = ["--max_steps", "12", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2"]
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "full", *common))
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "cut", *common, "--stop_after_steps", "5"))
+    assert not (tmp_path / "cut" / "heads").exists()
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "cut", *common, "--resume", "true"))  # resumes at step 4
+    full, resumed = heads_state(tmp_path / "full"), heads_state(tmp_path / "cut")
+    for name in full:
+        torch.testing.assert_close(resumed[name], full[name], atol=1e-6, rtol=1e-5)
+    full_log = [json.loads(x) for x in (tmp_path / "full" / "train_log.jsonl").read_text().splitlines()]
+    cut_log = [json.loads(x) for x in (tmp_path / "cut" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in cut_log] == [1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10, 11, 12]  # step 5 redone after resume
+    for a, b in zip(full_log[4:], cut_log[5:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["lr"] == pytest.approx(b["lr"])
+
+
+def test_two_processes_equal_one(tiny_target_dir, sd_dir, tmp_path):
+    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    common = base_args(tiny_target_dir, sd_dir, tmp_path / "x", "--max_steps", "6")
+
+    def run(launcher: list[str], out: Path, batch: int):
+        args = [a for a in common]
+        args[args.index("--output_dir") + 1] = str(out)
+        args[args.index("--per_device_batch_size") + 1] = str(batch)
+        subprocess.run([*launcher, str(REPO / "train" / "medusa.py"), *args], check=True, env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=240)
+
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    run([*accelerate, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", "29517"], tmp_path / "two", 1)
+    run([sys.executable], tmp_path / "one", 2)
+    two = [json.loads(x) for x in (tmp_path / "two" / "train_log.jsonl").read_text().splitlines()]
+    one_log = [json.loads(x) for x in (tmp_path / "one" / "train_log.jsonl").read_text().splitlines()]
+    assert len(two) == len(one_log) == 6
+    for a, b in zip(one_log, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["head_ce"] == pytest.approx(b["head_ce"], rel=1e-5)
+    m1 = json.loads((tmp_path / "one" / "heads" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "heads" / "metrics.json").read_text())
+    assert m2["global_batch"] == m1["global_batch"] == 2
+    assert m1["eval_positions"] == m2["eval_positions"]  # eval shards over processes, then sums
+    w1, w2 = heads_state(tmp_path / "one"), heads_state(tmp_path / "two")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4)
+
+
+def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):
+    metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--method", "medusa2", "--max_steps", "6",
+                             "--medusa2_warmup_steps", "2", "--target_learning_rate", "1e-2",
+                             "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"))
+    heads_dir = tmp_path / "heads"
+    config = json.loads((heads_dir / "config.json").read_text())
+    assert config["method"] == "medusa2" and config["adapter"] is True
+    assert (heads_dir / "adapter" / "adapter_config.json").is_file()
+    assert 0.0 <= metrics["greedy_agreement"] <= 1.0
+    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    # 2 heads-only warmup steps; then loss = KL + 0.2 * heads loss, KL = 0 until the LoRA B matrices move
+    assert [r["loss"] == pytest.approx(r["heads_loss"]) for r in log[:2]] == [True, True]
+    assert log[2]["kl"] == pytest.approx(0.0, abs=1e-6) and log[2]["loss"] == pytest.approx(0.2 * log[2]["heads_loss"])
+    assert all(r["kl"] > 0 for r in log[3:])
+    heads, model, _, info = load_medusa(heads_dir, str(tiny_target_dir))
+    base, _, _ = load_target(str(tiny_target_dir))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    merged_logits = model(ids).logits
+    assert not torch.allclose(merged_logits, base(ids).logits)  # the adapter was merged
+    assert "lora" not in " ".join(n for n, _ in model.named_parameters())
+
+
+def test_unknown_recipe_key_fails(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("num_heads: 2\nnum_hedas: 3\n")
+    with pytest.raises(ConfigError, match="num_hedas"):
+        main(["--config", str(recipe)])
+
+
+@pytest.mark.parametrize("how", ["no_shards", "zero_rows", "nothing_supervised"])
+def test_empty_dataset_fails(tiny_target_dir, tmp_path, how):
+    sd = write_selfdistilled(tmp_path / "sd", tiny_target_dir, num_rows=8)
+    full = datasets.load_from_disk(str(sd / "dataset"))
+    if how == "no_shards":  # what save_to_disk writes for a dataset built from no rows at all
+        empty = datasets.Dataset.from_dict({"id": [], "input_ids": [], "loss_mask": []})
+    elif how == "zero_rows":
+        empty = full.select([])
+    else:  # rows whose loss mask is all zero (only user tokens)
+        empty = full.map(lambda r: {"loss_mask": [0] * len(r["loss_mask"])})
+    empty.save_to_disk(str(sd / "new"))
+    del full, empty
+    shutil.rmtree(sd / "dataset")
+    (sd / "new").rename(sd / "dataset")
+    with pytest.raises(DataError, match="empty|no training row"):
+        main(base_args(tiny_target_dir, sd, tmp_path / "out"))
+
+
+def test_data_from_another_target_fails(tiny_target_dir, tmp_path):
+    sd = write_selfdistilled(tmp_path / "sd", tiny_target_dir, num_rows=8, fingerprint="0123456789abcdef")
+    with pytest.raises(DataError, match="fingerprint"):
+        main(base_args(tiny_target_dir, sd, tmp_path / "out"))
+
+
+def test_failed_push_keeps_local_copy(tiny_target_dir, sd_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main(base_args(tiny_target_dir, sd_dir, tmp_path, "--max_steps", "2", "--push_to_hub", "someone/medusa-test"))
+    out = capsys.readouterr().out
+    assert "push to the Hub failed" in out and "hf upload someone/medusa-test" in out
+    assert (tmp_path / "heads" / "model.safetensors").is_file()
+    load_medusa_heads(tmp_path / "heads")
+
+
+def test_every_medusa_recipe_parses():
+    from train.config import parse_config
+    from train.medusa import MedusaTrainConfig, check_config
+
+    recipes = sorted((REPO / "recipes").glob("*/medusa*.yaml"))
+    assert len(recipes) >= 4
+    for recipe in recipes:
+        assert recipe.read_text().startswith("#"), f"{recipe} must open with its launch command"
+        check_config(parse_config(MedusaTrainConfig, ["--config", str(recipe)]))
