@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network (set before huggingface_hub loads)
 os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 TINY_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=1024)
@@ -30,3 +30,54 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 128, seed: int = 0, 
 @pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
+
+
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+TINY_CORPUS = [
+    "hello there, how are you doing today?", "I am fine, thanks for asking. What about you?",
+    "def add(a, b):\n    return a + b", "The quick brown fox jumps over the lazy dog.",
+    "Tell me a story about a dragon and a knight.", "Once upon a time there was a small village.",
+] * 20
+
+
+def tiny_chat_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on a few sentences, with a Llama-3-style chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                      pad_token="<|eot_id|>")
+    wrapped.chat_template = LLAMA3_STYLE_TEMPLATE
+    return wrapped
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """A saved tiny Llama target with a Llama-3-style chat tokenizer, loadable by heads.target.load_target."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_model("llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedded_target():
+    """The real embedded default (SmolLM2-135M-Instruct), loaded once per session."""
+    from heads.target import load_target
+
+    return load_target("smollm2-135m")

@@ -1,0 +1,71 @@
+import json
+
+import pytest
+
+from heads.prompts import PromptSourceError, load_prompts, parse_row
+
+
+def test_every_schema_parses_and_malformed_rows_are_counted(tmp_path):
+    rows = [
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"},
+                           {"from": "gpt", "value": "hello"}, {"from": "human", "value": "bye"}]},
+        {"messages": [{"role": "user", "content": "what is 2+2?"}, {"role": "assistant", "content": "4"}]},
+        {"instruction": "Translate", "input": "bonjour"},
+        {"prompt": "Write a haiku"},
+        {"question_id": 81, "category": "writing", "turns": ["first turn", "second turn"]},
+        {"turns": []},  # no user turns
+        {"messages": "not a list"},
+        {"unrelated": 1},
+        {"prompt": 42},  # not text
+        [1, 2],  # not an object
+    ]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken json\n")
+    source = load_prompts(str(path))
+    assert [r.turns for r in source.rows] == [
+        ["hi", "bye"], ["what is 2+2?"], ["Translate\n\nbonjour"], ["Write a haiku"], ["first turn", "second turn"]]
+    assert source.rows[0].system == "be brief"
+    assert source.rows[4].id == "81" and source.rows[4].category == "writing"
+    assert dict(source.skipped) == {"no_user_turns": 1, "messages_not_a_list": 1, "no_known_fields": 1,
+                                    "empty_or_non_text_turn": 1, "not_an_object": 1, "invalid_json_line": 1}
+
+
+def test_json_list_file_and_limit(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps([{"prompt": f"p{i}"} for i in range(5)]))
+    assert [r.turns[0] for r in load_prompts(str(path), limit=3).rows] == ["p0", "p1", "p2"]
+
+
+def test_embedded_sources_and_fixed_split():
+    train, heldout = load_prompts("chitchat:train"), load_prompts("chitchat:heldout")
+    train_ids, heldout_ids = {r.id for r in train.rows}, {r.id for r in heldout.rows}
+    assert not train_ids & heldout_ids
+    assert len(train_ids) + len(heldout_ids) == 7167  # 7,168 conversations, one has no text
+    assert 0.03 < len(heldout_ids) / 7167 < 0.07
+    assert [r.id for r in load_prompts("chitchat:train", limit=5).rows] == [r.id for r in train.rows[:5]]
+    assert len(load_prompts("humaneval").rows) == 164
+    code = load_prompts("pycode:train")
+    assert len(code.rows) > 500 and code.rows[0].turns[0].startswith("Complete this Python function")
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("nope", "unknown prompt source"),
+    ("missing.jsonl", "does not exist"),
+    ("chitchat:dev", "unknown split"),
+    ("humaneval:train", "evaluation set"),
+    ("hf:", "needs a dataset name"),
+])
+def test_bad_sources_name_the_problem(spec, fragment):
+    with pytest.raises(PromptSourceError, match=fragment):
+        load_prompts(spec)
+
+
+def test_unreachable_hf_dataset_says_how_to_work_offline():
+    with pytest.raises(PromptSourceError, match="local .jsonl file"):
+        load_prompts("hf:someone/not-cached:train")
+
+
+def test_parse_row_reasons():
+    assert parse_row({"messages": [{"role": "user", "content": ""}]}, 0) == (None, "empty_or_non_text_turn")
+    row, reason = parse_row({"conversations": [{"from": "user", "value": "x"}]}, 3)
+    assert reason == "" and row.id == "3" and row.turns == ["x"]

@@ -1,0 +1,326 @@
+"""Self-distillation: the target answers every user turn itself, and that becomes the heads' data.
+
+    # CPU, the embedded default (256 chitchat conversations, ~10 minutes on 2 cores):
+    python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --output_dir runs/sd
+    # one GPU:
+    python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16
+    # several processes (GPUs, or two CPU processes): batches are sharded, the result is the same
+    accelerate launch --multi_gpu --num_processes 2 train/selfdistill.py --config ... --output_dir runs/sd
+
+The target answers turn by turn through its own chat template, with its earlier answers fed back in
+multi-turn conversations; greedy (temperature 0) or sampled. Batches are fixed by the prompt order,
+so the result does not depend on the number of processes; each finished batch is written to
+`OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the batches already there.
+
+Output, in OUTPUT_DIR:
+  dataset/    a `datasets` dataset: id, category, conversation [{role, content}], input_ids,
+              loss_mask (1 exactly on the tokens the target wrote, its end-of-turn token included),
+              num_generated
+  meta.json   target name and fingerprint, generation settings, counts of rows and of skips by reason
+  parts/      one JSON file per finished batch (what resume reads)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from heads.prompts import PromptRow, load_prompts
+from heads.target import load_target
+from train.config import parse_config
+
+# settings that change the rows: a rerun into the same directory must use the same ones
+RESULT_FIELDS = ("target", "prompts", "num_prompts", "max_turns", "max_new_tokens", "max_length", "batch_size",
+                 "temperature", "top_p", "seed", "dtype", "system_prompt", "chat_template")
+
+
+@dataclass
+class SelfDistillConfig:
+    config: Optional[str] = None  # recipe YAML
+    target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
+    prompts: str = "chitchat:train"  # see heads/prompts.py for the spec strings
+    output_dir: str = "runs/selfdistill"
+    num_prompts: Optional[int] = 256  # first N rows of the source; None = all
+    max_turns: int = 2  # user turns answered per conversation
+    max_new_tokens: int = 128  # per answer
+    max_length: int = 1024  # tokens per conversation: a turn whose prompt + max_new_tokens exceeds it is not asked
+    batch_size: int = 8
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    device: Optional[str] = None  # default: accelerate's device for this process
+    system_prompt: Optional[str] = None  # None: the chat template's own default
+    chat_template: Optional[str] = None  # a Jinja string or .jinja file, for tokenizers that have none
+
+
+# ---------------------------------------------------------------------------------------------
+# chat rendering and the loss mask
+
+
+def render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+
+
+def render_with_mask(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], ended_with_eos: list[bool], eos_ids: set[int]
+) -> tuple[list[int], list[int]]:
+    """Render the whole conversation; loss_mask = 1 on the tokens of each assistant answer, plus the
+    end-of-turn token right after an answer that the target ended itself (`ended_with_eos`).
+
+    Returns (input_ids, loss_mask). Raises ValueError when an answer cannot be found in the render.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    spans, cursor = [], 0  # char spans of the assistant answers, in order
+    for message in messages:
+        start = text.find(message["content"], cursor)
+        if start < 0:
+            if message["role"] == "assistant":
+                raise ValueError("the chat template altered an answer's text")
+            continue  # a user/system text the template rewrote: not needed for the mask
+        cursor = start + len(message["content"])
+        if message["role"] == "assistant":
+            spans.append((start, cursor))
+    loss_mask = [0] * len(input_ids)
+    token = 0
+    for (start, end), with_eos in zip(spans, ended_with_eos):
+        while token < len(input_ids) and offsets[token][0] < start:
+            token += 1
+        while token < len(input_ids) and offsets[token][1] <= end:
+            if offsets[token][1] > offsets[token][0]:
+                loss_mask[token] = 1
+            token += 1
+        if with_eos and token < len(input_ids) and input_ids[token] in eos_ids:
+            loss_mask[token] = 1
+    return input_ids, loss_mask
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    configured = generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured])
+    return {i for i in ids if i is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# one batch of conversations, turn by turn
+
+
+@torch.no_grad()
+def distill_batch(model, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
+                  batch_index: int) -> tuple[list[dict], collections.Counter, int]:
+    """Answer up to max_turns user turns of each conversation. Returns (records, skip counts, tokens generated)."""
+    skipped: collections.Counter = collections.Counter()
+    messages: list[list[dict]] = []
+    for row in rows:
+        system = row.system if row.system is not None else cfg.system_prompt
+        messages.append([{"role": "system", "content": system}] if system else [])
+    ended_with_eos: list[list[bool]] = [[] for _ in rows]
+    generated_counts = [0] * len(rows)
+    stopped = [False] * len(rows)
+    pad_id = tokenizer.pad_token_id
+    generation = GenerationConfig(
+        max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0, pad_token_id=pad_id,
+        eos_token_id=sorted(eos_ids), **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
+                                        if cfg.temperature > 0 else {}),
+    )
+    for turn in range(cfg.max_turns):
+        active, prompts = [], []
+        for i, row in enumerate(rows):
+            if stopped[i] or turn >= len(row.turns):
+                continue
+            ids = render_ids(tokenizer, messages[i] + [{"role": "user", "content": row.turns[turn]}], True)
+            if len(ids) + cfg.max_new_tokens > cfg.max_length:
+                skipped["prompt_too_long" if turn == 0 else "turns_cut_by_max_length"] += 1
+                stopped[i] = True
+                continue
+            active.append(i)
+            prompts.append(ids)
+        if not active:
+            break
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        torch.manual_seed(cfg.seed + 1000 * batch_index + turn)  # the same draws on any rerun
+        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                             generation_config=generation)
+        for row_in_batch, i in enumerate(active):
+            new = out[row_in_batch, width:].tolist()
+            ended = False
+            for j, token in enumerate(new):
+                if token in eos_ids:
+                    new, ended = new[: j + 1], True
+                    break
+            answer = tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=True).strip()
+            if not answer:
+                skipped["empty_answer"] += 1
+                stopped[i] = True
+                continue
+            if not ended:
+                skipped["answers_cut_by_max_new_tokens"] += 1  # counted, kept: the target wrote these tokens
+            messages[i] += [{"role": "user", "content": rows[i].turns[turn]}, {"role": "assistant", "content": answer}]
+            ended_with_eos[i].append(ended)
+            generated_counts[i] += len(new)
+    records = []
+    for i, row in enumerate(rows):
+        if not ended_with_eos[i]:
+            continue  # no answered turn (its reason is counted above)
+        try:
+            input_ids, loss_mask = render_with_mask(tokenizer, messages[i], ended_with_eos[i], eos_ids)
+        except ValueError:
+            skipped["answer_not_found_in_render"] += 1
+            continue
+        records.append({"batch_position": i, "id": row.id, "category": row.category, "conversation": messages[i], "input_ids": input_ids,
+                        "loss_mask": loss_mask, "num_generated": generated_counts[i]})
+    return records, skipped, sum(generated_counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run: shard, resume, assemble
+
+
+def _write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def _check_settings(output_dir: Path, cfg: SelfDistillConfig, is_main: bool) -> None:
+    settings = {k: getattr(cfg, k) for k in RESULT_FIELDS}
+    run_file = output_dir / "run.json"
+    if run_file.is_file():
+        previous = json.loads(run_file.read_text())
+        differing = sorted(k for k in settings if previous.get(k) != settings[k])
+        if differing:
+            raise ValueError(
+                f"{output_dir} holds a self-distillation run with other settings ({', '.join(differing)}: "
+                f"{[previous.get(k) for k in differing]} there, {[settings[k] for k in differing]} now). "
+                "Resume with the same settings, or pass a new --output_dir."
+            )
+    elif is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(run_file, settings)
+
+
+def load_selfdistilled(output_dir: str | Path):
+    """Read a finished self-distillation run: (datasets.Dataset, meta dict)."""
+    import datasets
+
+    output_dir = Path(output_dir)
+    if not (output_dir / "dataset").is_dir() or not (output_dir / "meta.json").is_file():
+        raise FileNotFoundError(f"{output_dir} holds no finished self-distilled dataset (dataset/ and meta.json); "
+                                "run `python train/selfdistill.py --output_dir DIR` first")
+    return datasets.load_from_disk(str(output_dir / "dataset")), json.loads((output_dir / "meta.json").read_text())
+
+
+def _load_chat_template(value: str) -> str:
+    path = Path(value).expanduser()
+    return path.read_text() if value.endswith(".jinja") and path.is_file() else value
+
+
+def run_selfdistill(cfg: SelfDistillConfig) -> Path:
+    """Run (or resume) self-distillation; returns the output directory."""
+    import datasets
+    from accelerate import Accelerator
+
+    # without cpu=True accelerate sets up no process group on a machine without GPUs (world size 1 each)
+    accelerator = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    output_dir = Path(cfg.output_dir)
+    _check_settings(output_dir, cfg, accelerator.is_main_process)
+    accelerator.wait_for_everyone()
+    _check_settings(output_dir, cfg, False)
+    if (output_dir / "dataset").is_dir() and (output_dir / "meta.json").is_file():
+        accelerator.print(f"{output_dir}/dataset is complete; nothing to do")
+        return output_dir
+
+    source = load_prompts(cfg.prompts, limit=cfg.num_prompts)
+    if not source.rows:
+        raise ValueError(f"prompt source {cfg.prompts!r} gave no usable rows (skipped: {dict(source.skipped)})")
+    device = cfg.device or accelerator.device
+    model, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=device)
+    if cfg.chat_template:
+        tokenizer.chat_template = _load_chat_template(cfg.chat_template)
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"the tokenizer of target {cfg.target!r} has no chat template, which self-distillation needs to render "
+            "conversations. Use the instruct/chat version of the model, or set chat_template in the recipe "
+            "(a Jinja string or a path to a .jinja file)."
+        )
+    eos_ids = eos_token_ids(tokenizer, model.generation_config)
+
+    # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
+    order = sorted(range(len(source.rows)), key=lambda i: (len(source.rows[i].turns[0]), i))
+    batches = [order[s: s + cfg.batch_size] for s in range(0, len(order), cfg.batch_size)]
+    parts_dir = output_dir / "parts"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    mine = [k for k in range(len(batches)) if k % accelerator.num_processes == accelerator.process_index]
+    todo = [k for k in mine if not (parts_dir / f"batch_{k:06d}.json").is_file()]
+    if len(todo) < len(mine):
+        accelerator.print(f"resuming: {len(mine) - len(todo)} of {len(mine)} batches already done")
+    bar = tqdm(todo, desc=f"self-distill [{accelerator.process_index}]", disable=not accelerator.is_local_main_process)
+    start, tokens = time.perf_counter(), 0
+    for k in bar:
+        rows = [source.rows[i] for i in batches[k]]
+        records, skipped, generated = distill_batch(model, tokenizer, rows, cfg, eos_ids, k)
+        for record in records:
+            record["source_index"] = batches[k][record.pop("batch_position")]
+        _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
+                                                              "generated_tokens": generated})
+        tokens += generated
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    elapsed = time.perf_counter() - start
+    accelerator.wait_for_everyone()
+
+    if accelerator.is_main_process:
+        records, skipped, generated = [], collections.Counter(source.skipped), 0
+        for k in range(len(batches)):
+            part = json.loads((parts_dir / f"batch_{k:06d}.json").read_text())
+            records += part["records"]
+            skipped.update(part["skipped"])
+            generated += part["generated_tokens"]
+        records.sort(key=lambda r: r["source_index"])
+        dataset = datasets.Dataset.from_list(records)
+        tmp = output_dir / ".dataset.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        dataset.save_to_disk(str(tmp))
+        shutil.rmtree(output_dir / "dataset", ignore_errors=True)
+        os.replace(tmp, output_dir / "dataset")
+        meta = {
+            "target": info.to_dict(),
+            "generation": {k: getattr(cfg, k) for k in RESULT_FIELDS if k != "target"},
+            "rows": len(records),
+            "prompts_read": len(source.rows) + sum(source.skipped.values()),
+            "generated_tokens": generated,
+            "supervised_tokens": sum(sum(r["loss_mask"]) for r in records),
+            "skipped": dict(sorted(skipped.items())),
+            "this_run": {"seconds": round(elapsed, 1), "processes": accelerator.num_processes,
+                         "generated_tokens_per_s_main_process": round(tokens / elapsed, 1) if elapsed else None},
+        }
+        _write_json_atomic(output_dir / "meta.json", meta)
+        print(f"wrote {len(records)} conversations ({generated} generated tokens) to {output_dir}/dataset; "
+              f"skipped: {dict(skipped) or 'none'}")
+    accelerator.wait_for_everyone()
+    return output_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(SelfDistillConfig, argv)
+    run_selfdistill(cfg)
+
+
+if __name__ == "__main__":
+    main()
