@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -321,3 +322,39 @@ def test_text_stream_writes_only_new_text():
     stream(ids[:1])
     stream(ids[1:])
     assert "".join(written) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_sampling_end_to_end_matches_target_distribution():
+    """The whole decode loop (tree forward, sampling acceptance, cache compaction) at temperature 1 on a
+    vocab-8 model: the first three tokens follow the target's exact joint distribution (chi-square)."""
+    from scipy.stats import chi2
+
+    model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked distributions: a wrong rule shows up quickly
+    heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=8, num_heads=3)).eval()
+    heads.init_lm_heads_from(model.lm_head.weight)  # drafts the target's likely tokens: paths get accepted
+    spec = Speculator(model, heads, choices=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    prompt = torch.tensor([1, 5, 3, 6])
+    conts = torch.tensor(list(itertools.product(range(8), range(8))))  # [64, 2]
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)  # [64, 6, 8]
+    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
+    for row, (t1, t2) in enumerate(conts.tolist()):
+        exact[t1, t2] = (logp[row, 3, t1] + logp[row, 4, t2] + logp[row, 5]).exp()
+    n = 2000
+    counts = torch.zeros(8, 8, 8)
+    accepted = 0
+    for s in range(n):
+        out = spec.generate(prompt, 3, temperature=1.0, seed=s, stop_token_ids=[])
+        counts[tuple(out.tokens)] += 1
+        accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+    assert accepted > n // 2  # drafted tokens were kept often (the cache got compacted)
+    expected = exact.reshape(-1) * n
+    observed = counts.reshape(-1).double()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    pvalue = float(chi2.sf(stat, len(exp) - 1))
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
