@@ -127,9 +127,20 @@ class MedusaProposer:
 
     @torch.no_grad()
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
-        logits = self.heads(draft.hidden[None, None], self.lm_head_weight)[:, 0, 0]  # [K, V]
-        topk_tokens = logits[: self.tree.max_depth].topk(self.topk, dim=-1).indices  # [depth, k]
+        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, V]
+        topk_tokens = logits.topk(self.topk, dim=-1).indices  # [depth, k]
         return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
+
+
+def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
+                  lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [h] -> logits [depth, V] of the first `depth` heads only (a full-vocabulary head is costly)."""
+    feats = torch.stack([heads.blocks[k](hidden) for k in range(depth)])  # [depth, h]
+    if heads.lm_heads is None:
+        if lm_head_weight is None:
+            raise SpeculatorError("these Medusa heads share the target's lm_head: pass lm_head_weight")
+        return feats @ lm_head_weight.t()  # one matmul for all heads
+    return torch.stack([heads.lm_heads[k](feats[k]) for k in range(depth)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +318,13 @@ def speculative_generate(
 class TreeCalibration:
     choices: list[list[int]]
     expected_accept_length: float
-    step_ms: dict[int, float]  # tree size (root included) -> median target forward ms
+    step_ms: dict[int, float]  # tree size (root included) -> fastest target forward ms over the repeats
     draft_ms: float
     expected_tokens_per_s: dict[int, float]
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
     prefix_len: int
     device: str
+    choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"choices": self.choices, "expected_accept_length": self.expected_accept_length,
@@ -321,13 +333,10 @@ class TreeCalibration:
                 "accuracy_source": self.accuracy_source, "prefix_len": self.prefix_len, "device": self.device}
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return sorted(times)[len(times) // 2]
+def _time_ms(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1000
 
 
 @torch.no_grad()
@@ -337,8 +346,9 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time).
 
     Each size n is timed as one tree forward of n tokens over a cache of `prefix_len` tokens (the best
-    tree of n nodes for `accuracy`, so the mask is the real one); accuracy[d][r] is the per-(depth, rank)
-    acceptance rate, DEFAULT_ACCURACY (a documented prior) when None.
+    tree of n nodes for `accuracy`, so the mask is the real one), `repeats` rounds over all sizes, fastest
+    time kept; accuracy[d][r] is the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented
+    prior, see inference/tree.py) when None. About (sizes x repeats) target forwards: a few seconds on CPU.
     """
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]
@@ -353,9 +363,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     prompt = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(device)
     cache = DynamicCache()
     _, hidden = target_forward(model, prompt, cache, last_only=True)
-    draft_ms = _median_ms(lambda: heads(hidden[None], lm_head_weight), repeats)
-    step_ms: dict[int, float] = {}
-    expected: dict[int, float] = {}
+    steps: dict[int, Callable[[], None]] = {}
     per_size_choices: dict[int, list[list[int]]] = {}
     for n in sizes:
         choices = best_choices(accuracy, n - 1)
@@ -364,21 +372,31 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)
         positions = tree.position_ids(prefix_len, device=device)
 
-        def step() -> None:
+        def step(tokens=tokens, mask=mask, positions=positions) -> None:
             target_forward(model, tokens, cache, mask, positions)
-            compact_cache(cache, prefix_len, [])
+            compact_cache(cache, prefix_len, [])  # back to the prefix: every timing sees the same cache
 
-        step()  # warm-up
-        step_ms[tree.size] = _median_ms(step, repeats)
+        steps[tree.size] = step
         per_size_choices[tree.size] = choices
-        # one-token "tree" = plain decoding: no draft cost
-        cost = step_ms[tree.size] + (draft_ms if tree.size > 1 else 0.0)
-        expected[tree.size] = 1000.0 * expected_accept_length(choices, accuracy) / cost
+    # rounds over all sizes, keeping each size's fastest time: robust to other load on the machine
+    for step in steps.values():
+        step()  # warm-up
+    step_ms = {size: math.inf for size in steps}
+    draft_ms = math.inf
+    for _ in range(repeats):
+        draft_ms = min(draft_ms, _time_ms(lambda: medusa_logits(heads, hidden[0], len(accuracy), lm_head_weight)))
+        for size, step in steps.items():
+            step_ms[size] = min(step_ms[size], _time_ms(step))
+    expected: dict[int, float] = {}
+    for size in steps:
+        cost = step_ms[size] + (draft_ms if size > 1 else 0.0)  # a one-node "tree" is plain decoding: no draft
+        expected[size] = 1000.0 * expected_accept_length(per_size_choices[size], accuracy) / cost
     best = max(expected, key=lambda s: expected[s])
     choices = per_size_choices[best]
     return TreeCalibration(choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
                            step_ms=step_ms, draft_ms=draft_ms, expected_tokens_per_s=expected,
-                           accuracy_source=source, prefix_len=prefix_len, device=str(device))
+                           accuracy_source=source, prefix_len=prefix_len, device=str(device),
+                           choices_by_size=per_size_choices)
 
 
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
