@@ -373,3 +373,43 @@ def test_medusa_logits_match_the_heads_module():
     shared = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=3, share_lm_head=True)).eval()
     weight = torch.randn(VOCAB, 64)
     torch.testing.assert_close(medusa_logits(shared, hidden, 3, weight), shared(hidden[None, None], weight)[:, 0, 0])
+
+
+def test_real_embedded_target_greedy_exact():
+    """SmolLM2-135M-Instruct (the embedded default), fp32: speculative greedy == model.generate."""
+    pytest.importorskip("gguf")
+    from heads.target import TargetLoadError, load_target
+
+    try:
+        model, tok, info = load_target("smollm2-135m")
+    except TargetLoadError as err:
+        pytest.skip(f"embedded target unavailable: {err}")
+    from inference.generate import chat_input_ids
+
+    heads = MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=3,
+                                     share_lm_head=True, target=info.to_dict())).eval()
+    spec = Speculator(model, heads, tok)
+    ids = torch.tensor(chat_input_ids(tok, "Write a Python function that reverses a string."))
+    ref = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=24,
+                         do_sample=False)[0, len(ids):].tolist()
+    tree = tree_from_choices(ORACLE_CHOICES)
+    full = ids.tolist() + ref
+    out = spec.generate(ids, 24, proposer=_RealOracle(full, tree, seed=0))
+    assert out.tokens == ref and out.stats.tau > 1.5
+    text = []
+    plain = spec.generate(ids, 8, on_tokens=TextStream(tok, text.append))  # shared lm_head heads, streamed
+    assert plain.tokens == ref[: len(plain.tokens)] and "".join(text) == tok.decode(plain.tokens, skip_special_tokens=True)
+
+
+class _RealOracle(OracleProposer):
+    """The oracle over a large vocabulary: true token at rank 0 (75%), random tokens elsewhere."""
+
+    def __call__(self, draft: DraftInput):
+        k = max(self.tree.ranks) + 1
+        topk = torch.randint(0, 49152, (self.tree.max_depth, k), generator=torch.Generator().manual_seed(self.calls))
+        self.calls += 1
+        for d in range(self.tree.max_depth):
+            pos = len(draft.context) + d
+            if pos < len(self.ref) and self.rng.random() < self.p_top:
+                topk[d, 0] = self.ref[pos]
+        return self.tree, static_tree_tokens(self.tree, draft.root, topk)

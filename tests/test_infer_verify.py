@@ -169,7 +169,7 @@ def _biased_no_renormalise(children, tokens, probs, generator=None):
         node = accepted
 
 
-N_SAMPLES = 12000
+N_SAMPLES = 8000
 
 
 @pytest.mark.parametrize("tree_kind,temperature,top_p", [("static", 1.0, 1.0), ("dynamic", 0.7, 0.85)])
@@ -180,7 +180,7 @@ def test_sampling_acceptance_keeps_the_target_distribution(tree_kind, temperatur
     pvalue = _chi_square_pvalue(counts, exact)
     print(f"lossless {tree_kind}: chi-square p = {pvalue:.3g}")
     assert pvalue > 1e-3
-    # total variation as a second, readable check (sampling noise at 12k samples is about 0.06 here)
+    # total variation as a second, readable check (sampling noise at 8k samples is about 0.07 here)
     assert 0.5 * (counts.double() / N_SAMPLES - exact).abs().sum() < 0.1
 
 
