@@ -16,6 +16,7 @@ CLI (applies the chat template, streams the text, prints tau and tokens/s):
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import inspect
 import json
@@ -402,19 +403,22 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
     """Per-(depth, rank) acceptance rates recorded in the heads directory, or None.
 
-    Looked up as the key "accuracy" (rows = heads/depths, columns = ranks) in `tree.json`, then in
-    `metrics.json`.
+    Rows = heads (depth 1, 2, ...), columns = ranks. Read from `tree.json` ("accuracy"), else from the
+    training metrics in `metrics.json` ("rank_accuracy": P(the true token is head k's rank-r guess), as
+    train/medusa.py writes it). Used as the Medusa paper does: a path's acceptance probability is the
+    product of its nodes' rates (heads treated as independent).
     """
-    for name in (TREE_FILE, "metrics.json"):
+    for name, key in ((TREE_FILE, "accuracy"), ("metrics.json", "rank_accuracy"), ("metrics.json", "accuracy")):
         file = heads_dir / name
-        if file.is_file():
-            try:
-                data = json.loads(file.read_text())
-            except json.JSONDecodeError:
-                continue
-            acc = data.get("accuracy") if isinstance(data, dict) else None
-            if isinstance(acc, list) and acc and all(isinstance(row, list) and row for row in acc):
-                return [[float(a) for a in row] for row in acc]
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except json.JSONDecodeError:
+            continue
+        acc = data.get(key) if isinstance(data, dict) else None
+        if isinstance(acc, list) and acc and all(isinstance(row, list) and row for row in acc):
+            return [[float(a) for a in row] for row in acc]
     return None
 
 
@@ -443,8 +447,21 @@ def _resolve_heads_dir(heads: str | Path) -> Path:
                               f"(`hf download {name} --local-dir DIR`) and pass DIR") from err
 
 
+def _merge_adapter(model: PreTrainedModel, heads_dir: Path) -> PreTrainedModel:
+    from heads.medusa import ADAPTER_DIR, HeadsLoadError, merge_adapter
+
+    try:
+        return merge_adapter(model, heads_dir / ADAPTER_DIR)
+    except HeadsLoadError as err:
+        raise SpeculatorError(f"{err}; re-download the heads directory with its adapter/ folder") from err
+
+
 class Speculator:
-    """Medusa heads + their target + a tree. `generate` is lossless unless acceptance='typical'."""
+    """Medusa heads + their target + a tree. `generate` is lossless unless acceptance='typical'.
+
+    For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its* greedy
+    decoding / distribution (a target you pass in is copied first, never modified).
+    """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
                  choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None):
@@ -505,6 +522,9 @@ class Speculator:
         if medusa.config.hidden_size != hidden:
             raise SpeculatorError(f"the heads expect hidden size {medusa.config.hidden_size}, the target has {hidden}: "
                                   "these heads belong to another model; load the target they were trained on")
+        if getattr(medusa.config, "adapter", False):  # Medusa-2: the heads read the LoRA-tuned target
+            model = _merge_adapter(model if isinstance(target, (str, Path)) or target is None else copy.deepcopy(model),
+                                   heads_dir)
         medusa = medusa.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype).eval()
         spec = cls(model, medusa, tokenizer, choices=None, heads_dir=heads_dir)
         spec.set_tree(tree)

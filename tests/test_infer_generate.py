@@ -413,3 +413,43 @@ class _RealOracle(OracleProposer):
             if pos < len(self.ref) and self.rng.random() < self.p_top:
                 topk[d, 0] = self.ref[pos]
         return self.tree, static_tree_tokens(self.tree, draft.root, topk)
+
+
+def test_read_accuracy_from_training_metrics(saved):
+    from inference.generate import read_accuracy
+
+    model, _, heads_dir = saved
+    assert read_accuracy(heads_dir) is None
+    rank_acc = [[0.9, 0.05, 0.0], [0.9, 0.05, 0.0], [0.9, 0.05, 0.0]]
+    (heads_dir / "metrics.json").write_text(json.dumps({"top1": [0.9] * 3, "rank_accuracy": rank_acc}))
+    assert read_accuracy(heads_dir) == rank_acc
+    spec = Speculator.from_pretrained(str(heads_dir), target=model, tree="auto")
+    record = json.loads((heads_dir / "tree.json").read_text())
+    assert record["accuracy_source"] == "heads" and record["accuracy"] == rank_acc
+    assert read_accuracy(heads_dir) == rank_acc  # now from tree.json
+    assert spec.tree.size == len(record["choices"]) + 1
+
+
+def test_medusa2_adapter_is_merged_and_output_is_the_tuned_targets(saved):
+    from peft import LoraConfig, get_peft_model
+
+    model, _, heads_dir = saved
+    tuned = get_peft_model(tiny_model("llama", vocab_size=VOCAB, seed=1),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # a real change (LoRA starts as a no-op)
+    tuned.save_pretrained(heads_dir / "adapter")
+    merged = tuned.merge_and_unload().eval()
+    config = json.loads((heads_dir / "config.json").read_text())
+    (heads_dir / "config.json").write_text(json.dumps(dict(config, adapter=True, method="medusa2")))
+    before = fingerprint(model)
+    spec = Speculator.from_pretrained(str(heads_dir), target=model)
+    assert fingerprint(model) == before  # the caller's target is untouched
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(14))
+    out = spec.generate(prompt, 32, stop_token_ids=[])
+    assert out.tokens == reference(merged, prompt[None], 32)[0] != reference(model, prompt[None], 32)[0]
+    (heads_dir / "adapter" / "adapter_config.json").unlink()
+    with pytest.raises(SpeculatorError, match="adapter"):
+        Speculator.from_pretrained(str(heads_dir), target=model)
