@@ -30,8 +30,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.tree import (DEFAULT_ACCURACY, Tree, best_choices, default_choices, expected_accept_length,
-                            static_tree_tokens, tree_from_choices)
+from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, Tree, best_choices, build_dynamic_tree, default_choices,
+                            expected_accept_length, static_tree_tokens, tree_from_choices)
 from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 TREE_FILE = "tree.json"
@@ -131,6 +131,27 @@ class MedusaProposer:
         logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, V]
         topk_tokens = logits.topk(self.topk, dim=-1).indices  # [depth, k]
         return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
+
+
+# draft(draft_input, tokens [n], parents, frontier) -> log-probs [F, V] of the token after each frontier
+# node of the partial tree (node 0 = draft_input.root); e.g. an EAGLE draft model.
+DynamicDraftFn = Callable[[DraftInput, torch.Tensor, list[int], list[int]], torch.Tensor]
+
+
+class DynamicTreeProposer:
+    """EAGLE-2 style dynamic tree around any draft callable (see inference.tree.build_dynamic_tree).
+
+    Lossless sampling needs the draft to be deterministic given the context (it is then q = 1 on the tree).
+    """
+
+    def __init__(self, draft: DynamicDraftFn, config: DynamicTreeConfig | None = None):
+        self.draft = draft
+        self.config = config or DynamicTreeConfig()
+
+    @torch.no_grad()
+    def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
+        return build_dynamic_tree(draft.root, lambda tokens, parents, frontier: self.draft(draft, tokens, parents, frontier),
+                                  self.config)
 
 
 def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,

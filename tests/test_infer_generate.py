@@ -453,3 +453,50 @@ def test_medusa2_adapter_is_merged_and_output_is_the_tuned_targets(saved):
     (heads_dir / "adapter" / "adapter_config.json").unlink()
     with pytest.raises(SpeculatorError, match="adapter"):
         Speculator.from_pretrained(str(heads_dir), target=model)
+
+
+def _oracle_dynamic_draft(ref: list[int], seed: int):
+    """A draft callable for dynamic trees: on the true continuation it favours the true next token (80%)."""
+    rng = random.Random(seed)
+
+    def draft(d: DraftInput, tokens: torch.Tensor, parents: list[int], frontier: list[int]) -> torch.Tensor:
+        out = torch.randn(len(frontier), VOCAB, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        for f, node in enumerate(frontier):
+            path = []
+            while node > 0:
+                path.append(int(tokens[node]))
+                node = parents[node]
+            ctx = d.context + path[::-1]
+            if len(ctx) < len(ref) and ref[: len(ctx)] == ctx and rng.random() < 0.8:
+                out[f, ref[len(ctx)]] += 10.0
+        return out.log_softmax(-1)
+
+    return draft
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_greedy_exact_with_dynamic_trees(model_type):
+    """A new tree shape every step (EAGLE-2 style builder around an oracle-ish draft): still exact."""
+    from inference.generate import DynamicTreeProposer
+    from inference.tree import DynamicTreeConfig
+
+    model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    prompts = torch.randint(3, VOCAB, (10, PROMPT_LEN), generator=torch.Generator().manual_seed(15))
+    refs = reference(model, prompts, 64)
+    forwards = tokens = 0
+    shapes = set()
+    for i in range(10):
+        full = prompts[i].tolist() + refs[i]
+        proposer = DynamicTreeProposer(_oracle_dynamic_draft(full, seed=i), DynamicTreeConfig(topk=3, depth=4, total_tokens=12))
+
+        def recording(d, proposer=proposer):
+            tree, toks = proposer(d)
+            shapes.add(tuple(tree.parents))
+            return tree, toks
+
+        out = spec.generate(prompts[i], 64, stop_token_ids=[], proposer=recording)
+        assert out.tokens == refs[i], f"{model_type} prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
+        forwards += out.stats.decode_forwards
+        tokens += out.stats.new_tokens
+    assert tokens / forwards > 2.0 and len(shapes) > 5
