@@ -273,7 +273,11 @@ def speculative_generate(
     sampling = sampling or SamplingConfig()
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise SpeculatorError(f"input_ids of shape {tuple(ids.shape)}: speculative decoding here runs one sequence "
+                              "at a time; pass [L] or [1, L] and loop over prompts")
+    ids = ids.reshape(-1).cpu()
     check_context(model, ids.numel(), max_new_tokens)
     stops = set(int(t) for t in stop_token_ids)
     stats = GenerateStats()
@@ -635,6 +639,12 @@ class TextStream:
         self.write(text[len(self.text):])
         self.text = text
 
+    def end(self) -> None:
+        """Write whatever is still held back (an output that ends inside a multi-byte character)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.write(text[len(self.text):])
+        self.text = text
+
 
 def chat_input_ids(tokenizer, prompt: str) -> list[int]:
     """The prompt as a user turn with the target's chat template (plain encoding if it has none)."""
@@ -666,9 +676,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = Speculator.from_pretrained(args.heads, target=args.target, tree=args.tree, dtype=args.dtype,
                                           device=args.device)
         ids = chat_input_ids(spec.tokenizer, args.prompt)
+        stream = TextStream(spec.tokenizer)
         out = spec.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            acceptance="typical" if args.typical else "auto", seed=args.seed,
-                            on_tokens=TextStream(spec.tokenizer))
+                            acceptance="typical" if args.typical else "auto", seed=args.seed, on_tokens=stream)
+        stream.end()
     except SpeculatorError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -275,6 +275,10 @@ def test_prompt_longer_than_context_and_zero_tokens():
         spec.generate(torch.randint(3, VOCAB, (8,)), 0)
     with pytest.raises(ValueError):  # SpeculatorError is a ValueError
         spec.generate(torch.randint(3, VOCAB, (8,)), -1)
+    with pytest.raises(SpeculatorError, match="one sequence at a time"):
+        spec.generate(torch.randint(3, VOCAB, (2, 8)), 4)
+    with pytest.raises(SpeculatorError, match="prompt is empty"):
+        spec.generate(torch.zeros(0, dtype=torch.long), 4)
 
 
 def test_tree_auto_writes_tree_json_and_is_reused(saved):
@@ -500,3 +504,22 @@ def test_greedy_exact_with_dynamic_trees(model_type):
         forwards += out.stats.decode_forwards
         tokens += out.stats.new_tokens
     assert tokens / forwards > 2.0 and len(shapes) > 5
+
+
+def test_cli_applies_the_chat_template(tiny_target_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inference.generate import chat_input_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    ids = chat_input_ids(tok, "hello there")
+    assert tok.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and "hello there" in tok.decode(ids)
+    heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=model.config.vocab_size, num_heads=2,
+                                     target={"name": str(tiny_target_dir), "fingerprint": fingerprint(model)}))
+    heads.save_pretrained(tmp_path / "heads")
+    assert main(["--heads", str(tmp_path / "heads"), "--prompt", "hello there", "--max_new_tokens", "16"]) == 0
+    out = capsys.readouterr()
+    ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+    assert out.out.rstrip().endswith(tok.decode(ref, skip_special_tokens=True).strip())  # (after loading logs)
+    assert "tau" in out.err
