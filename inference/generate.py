@@ -128,6 +128,8 @@ class MedusaProposer:
 
     @torch.no_grad()
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
+        if self.tree.max_depth == 0:  # a root-only tree: plain decoding (what `auto` picks when drafting never pays)
+            return self.tree, torch.tensor([draft.root], dtype=torch.long)
         logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, V]
         topk_tokens = logits.topk(self.topk, dim=-1).indices  # [depth, k]
         return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)

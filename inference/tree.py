@@ -54,15 +54,18 @@ class Tree:
         return max(self.depths)
 
     def ancestor_mask(self) -> torch.Tensor:
-        """bool [N, N]: entry (i, j) is True when j is i or an ancestor of i."""
-        n = self.size
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            j = i
-            while j >= 0:
-                mask[i, j] = True
-                j = self.parents[j]
-        return mask
+        """bool [N, N]: entry (i, j) is True when j is i or an ancestor of i (computed once per tree)."""
+        cached = self.__dict__.get("_ancestor_mask")
+        if cached is None:
+            n = self.size
+            rows = [[False] * n for _ in range(n)]
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    rows[i][j] = True
+                    j = self.parents[j]
+            cached = self.__dict__["_ancestor_mask"] = torch.tensor(rows, dtype=torch.bool)
+        return cached
 
     def attention_mask(self, prefix_len: int, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu") -> torch.Tensor:

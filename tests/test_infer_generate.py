@@ -523,3 +523,13 @@ def test_cli_applies_the_chat_template(tiny_target_dir, tmp_path, capsys):
     ref = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
     assert out.out.rstrip().endswith(tok.decode(ref, skip_special_tokens=True).strip())  # (after loading logs)
     assert "tau" in out.err
+
+
+def test_root_only_tree_is_plain_decoding():
+    """`auto` may find drafting never pays (choices = []): the loop then decodes one token per forward."""
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2), choices=[])
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(16))
+    out = spec.generate(prompt, 20, stop_token_ids=[])
+    assert out.tokens == reference(model, prompt[None], 20)[0]
+    assert spec.tree.size == 1 and out.stats.decode_forwards == 19 and out.stats.accept_hist == [19]
