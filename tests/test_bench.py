@@ -1,0 +1,205 @@
+"""Benchmark CLI on a tiny random target: every figure for every method, exactness flags, tau, reports, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads.medusa import MedusaConfig, MedusaHeads
+from heads.target import load_target
+from inference.bench import main, render_prompt, stop_ids
+from inference.generate import Speculator
+
+PROMPTS = [  # Spec-Bench style rows, two categories
+    {"question_id": 1, "category": "writing", "turns": ["Tell me a story about a dragon and a knight.", "More."]},
+    {"question_id": 2, "category": "coding", "turns": ["def add(a, b):\n    return a + b"]},
+    {"question_id": 3, "category": "writing", "turns": ["hello there, how are you doing today?"]},
+]
+METHOD_KEYS = {"kind", "prompts", "new_tokens", "seconds", "tokens_per_s", "decode_forwards", "tau", "speedup",
+               "efficiency", "time_split", "cost_model", "identical", "identical_of", "all_identical", "mismatches",
+               "accept_hist"}
+COST_KEYS = {"prefill_ms", "step_ms", "draft_ms", "vanilla_step_ms", "predicted_speedup"}
+SPLIT_KEYS = {"draft_s", "verify_s", "other_s", "draft_frac", "verify_frac", "other_frac"}
+SETTINGS_KEYS = {"command", "date", "device", "dtype", "torch", "transformers", "target", "prompts", "num_prompts",
+                 "num_prompts_used", "max_new_tokens", "tree", "prompt_lookup_num_tokens", "stop_token_ids"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def save_heads(path: Path, target_dir: Path, seed: int, fingerprint: str | None = None) -> Path:
+    """Random Medusa heads for the target in target_dir (lm_heads = the target's, perturbed; blocks random)."""
+    model, _, info = load_target(str(target_dir))
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=3))
+    heads.init_lm_heads_from(model.get_output_embeddings().weight)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for layer in block.layers:
+                layer.weight.normal_(0, 0.05)
+    heads.config.target = {**info.to_dict(), "name": str(target_dir)}
+    if fingerprint is not None:
+        heads.config.target["fingerprint"] = fingerprint
+    heads.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    heads_a = save_heads(root / "a" / "heads", tiny_target_dir, seed=1)
+    heads_b = save_heads(root / "b" / "heads", tiny_target_dir, seed=2)
+    return root, prompts, heads_a, heads_b
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    root, prompts, heads_a, heads_b = setup
+    out = root / "out"
+    rc = main(["--heads", str(heads_a), str(heads_b), "--prompts", str(prompts), "--num_prompts", "3",
+               "--max_new_tokens", "16", "--output", str(out), "--tree", "default"])
+    assert rc == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_results_have_every_figure_for_every_method(results):
+    out, res = results
+    assert list(res["methods"]) == ["vanilla", "prompt_lookup", "a/heads", "b/heads"]  # unique short labels
+    assert SETTINGS_KEYS <= set(res["settings"])
+    st = res["settings"]
+    assert st["num_prompts_used"] == 3 and st["max_new_tokens"] == 16 and st["device"] == "cpu"
+    assert st["order"] == ["vanilla", "prompt_lookup", "a/heads", "b/heads"]
+    for name, m in res["methods"].items():
+        assert METHOD_KEYS <= set(m), name
+        assert SPLIT_KEYS <= set(m["time_split"]), name
+        assert COST_KEYS <= set(m["cost_model"]) and m["cost_model"]["step_ms"] > 0, name
+        assert m["prompts"] == 3 and m["new_tokens"] > 0 and m["seconds"] > 0
+        assert m["tokens_per_s"] == pytest.approx(m["new_tokens"] / m["seconds"])
+        assert m["all_identical"] and m["identical"] == m["identical_of"] == 3, name  # greedy fp32: lossless
+        assert m["tau"] is not None and m["tau"] >= 1.0
+        assert m["efficiency"] == pytest.approx(m["speedup"] / m["tau"])
+        split = m["time_split"]
+        assert split["verify_s"] > 0 and split["other_s"] >= 0
+    van = res["methods"]["vanilla"]
+    assert van["tau"] == 1.0 and van["speedup"] == pytest.approx(1.0)
+    assert van["time_split"]["verify_s"] == pytest.approx(van["seconds"]) and van["time_split"]["draft_s"] == 0
+    assert van["cost_model"]["predicted_speedup"] == 1.0 and van["cost_model"]["draft_ms"] == 0
+    pld = res["methods"]["prompt_lookup"]
+    assert pld["time_split"]["draft_s"] is None and pld["prompt_lookup_num_tokens"] == 10
+    for name in ("a/heads", "b/heads"):
+        m = res["methods"][name]
+        assert m["tree"]["size"] == len(m["tree"]["choices"]) + 1 and m["time_split"]["draft_s"] > 0
+        total = sum(p["runs"][name]["new_tokens"] for p in res["prompts"])
+        forwards = sum(p["runs"][name]["decode_forwards"] for p in res["prompts"])
+        assert m["new_tokens"] == total and m["decode_forwards"] == forwards
+        assert m["tau"] == pytest.approx(total / forwards)
+        assert sum(m["accept_hist"]) == forwards
+        cost = m["cost_model"]
+        assert cost["predicted_speedup"] == pytest.approx(
+            m["tau"] * van["cost_model"]["step_ms"] / (cost["step_ms"] + cost["draft_ms"]))
+        tps = m["new_tokens"] / m["seconds"]
+        assert m["speedup"] == pytest.approx(tps / (van["new_tokens"] / van["seconds"]))
+    for p in res["prompts"]:  # the forward hook sees prefill + one forward per further token for plain greedy
+        assert p["runs"]["vanilla"]["decode_forwards"] == p["runs"]["vanilla"]["new_tokens"] - 1
+
+
+def test_heads_tau_matches_the_speculator_stats(results, setup, tiny_target_dir):
+    _, res = results
+    _, _, heads_a, _ = setup
+    model, tokenizer, _ = load_target(str(tiny_target_dir))
+    spec = Speculator.from_pretrained(str(heads_a), target=model, tokenizer=tokenizer, tree="default")
+    tokens = forwards = 0
+    for row, record in zip(PROMPTS, res["prompts"]):
+        ids = render_prompt(tokenizer, row["turns"][0], None)
+        assert len(ids) == record["prompt_tokens"]
+        out = spec.generate(ids, 16, stop_token_ids=stop_ids(tokenizer, model))
+        assert out.stats.decode_forwards == record["runs"]["a/heads"]["decode_forwards"]
+        assert out.stats.new_tokens == record["runs"]["a/heads"]["new_tokens"]
+        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.decode_forwards
+    assert res["methods"]["a/heads"]["tau"] == pytest.approx(tokens / forwards)
+
+
+def test_category_breakdown_and_reports(results, capsys):
+    out, res = results
+    assert set(res["categories"]) == {"writing", "coding"}
+    assert res["categories"]["writing"]["vanilla"]["prompts"] == 2
+    assert res["categories"]["coding"]["a/heads"]["prompts"] == 1
+    for cat in res["categories"].values():
+        assert set(cat) == set(res["methods"]) and all(METHOD_KEYS <= set(m) for m in cat.values())
+    md = (out / "results.md").read_text()
+    assert md.startswith("Command: `python -m inference.bench --heads ")
+    for cell in ("| vanilla |", "| a/heads |", "predicted speedup", "| writing |", "| coding |"):
+        assert cell in md
+    png = (out / "speedup.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_prompt_lookup_and_one_heads_dir_via_training_output_dir(setup, tmp_path, capsys):
+    root, prompts, heads_a, _ = setup
+    # the training output_dir (holding heads/) is accepted too; a prompt source without categories
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
+    rc = main(["--heads", str(heads_a.parent), "--prompts", str(plain), "--num_prompts", "5", "--max_new_tokens",
+               "8", "--output", str(tmp_path / "o"), "--no_prompt_lookup"])
+    assert rc == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert list(res["methods"]) == ["vanilla", "heads"] and res["categories"] == {}
+    assert res["settings"]["num_prompts_used"] == 1 and res["settings"]["prompt_lookup_num_tokens"] is None
+    printed = capsys.readouterr().out
+    assert "| method | tau |" in printed and "| heads |" in printed
+
+
+def test_errors(setup, tiny_target_dir, tmp_path, capsys):
+    root, prompts, heads_a, _ = setup
+    base = ["--prompts", str(prompts), "--max_new_tokens", "8", "--output", str(tmp_path / "o")]
+
+    def error(argv: list[str]) -> str:
+        assert main(argv) == 2
+        return capsys.readouterr().err
+
+    assert "no heads directories found" in error(["--heads", str(tmp_path / "nothing*"), *base])
+    assert "not found" in error(["--heads", str(tmp_path / "missing"), *base])
+    (tmp_path / "empty").mkdir()
+    assert "not a heads directory" in error(["--heads", str(tmp_path / "empty"), *base])
+    other = save_heads(tmp_path / "other", tiny_target_dir, seed=3, fingerprint="0123456789abcdef")
+    msg = error(["--heads", str(heads_a), str(other), *base])
+    assert "different targets" in msg and "0123456789abcdef" in msg
+    assert "--num_prompts must be at least 1" in error(["--heads", str(heads_a), "--num_prompts", "0", *base])
+    assert "--threads must be at least 1" in error(["--heads", str(heads_a), "--threads", "0", *base])
+    assert "fingerprint" in error(["--heads", str(other), *base])  # recorded fingerprint != the loaded target's
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in error(["--heads", str(heads_a), "--device", "cuda", *base])
+    assert not (tmp_path / "o").exists()  # nothing written on error
+
+
+def test_medusa2_heads_run_against_their_adapter_merged_target(setup, tiny_target_dir, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+
+    _, prompts, heads_a, _ = setup
+    heads_dir = save_heads(tmp_path / "m2", tiny_target_dir, seed=4)
+    model, _, _ = load_target(str(tiny_target_dir))
+    tuned = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # a real change: LoRA starts as a no-op
+    tuned.save_pretrained(heads_dir / "adapter")
+    config = json.loads((heads_dir / "config.json").read_text())
+    (heads_dir / "config.json").write_text(json.dumps(dict(config, adapter=True, method="medusa2")))
+    base = ["--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "8", "--no_prompt_lookup"]
+    assert main(["--heads", str(heads_a), str(heads_dir), *base, "--output", str(tmp_path / "x")]) == 2
+    assert "one directory at a time" in capsys.readouterr().err
+    assert main(["--heads", str(heads_dir), *base, "--output", str(tmp_path / "o")]) == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert res["settings"]["adapter_merged"] == str(heads_dir)
+    assert res["methods"]["m2"]["all_identical"]  # lossless against the merged target that vanilla ran on
