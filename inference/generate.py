@@ -223,8 +223,6 @@ def _accept(tree: Tree, tokens: list[int], logits: torch.Tensor, cfg: SamplingCo
     if cfg.acceptance == "typical" and cfg.temperature > 0:
         return typical_accept(tree.children, tokens, logits, cfg.temperature, cfg.posterior_threshold,
                               cfg.posterior_alpha, generator)
-    if cfg.acceptance not in ("auto", "typical"):
-        raise SpeculatorError(f"unknown acceptance {cfg.acceptance!r}; use 'auto' (lossless) or 'typical' (lossy)")
     if cfg.temperature <= 0:
         return greedy_accept(tree.children, tokens, logits)
     return sample_accept(tree.children, tokens, target_probs(logits, cfg.temperature, cfg.top_p), generator)
@@ -273,6 +271,10 @@ def speculative_generate(
     on_tokens(new_ids) is called after every step with the tokens it emitted (streaming).
     """
     sampling = sampling or SamplingConfig()
+    if sampling.acceptance not in ("auto", "typical"):
+        raise SpeculatorError(f"unknown acceptance {sampling.acceptance!r}; use 'auto' (lossless) or 'typical' (lossy)")
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+        raise SpeculatorError(f"temperature must be >= 0 and top_p in (0, 1], got {sampling.temperature}, {sampling.top_p}")
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     ids = torch.as_tensor(input_ids, dtype=torch.long)

@@ -202,7 +202,9 @@ def test_sampling_is_seeded_and_valid():
     t = spec.generate(prompt, 30, temperature=0.8, acceptance="typical", seed=1, stop_token_ids=[])
     assert len(t.tokens) == 30 and all(0 <= x < VOCAB for x in t.tokens)
     with pytest.raises(SpeculatorError, match="acceptance"):
-        spec.generate(prompt, 5, temperature=0.8, acceptance="nope")
+        spec.generate(prompt, 1, temperature=0.8, acceptance="nope")
+    with pytest.raises(SpeculatorError, match="top_p"):
+        spec.generate(prompt, 5, temperature=0.8, top_p=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
