@@ -72,6 +72,7 @@ class MedusaTrainConfig:
     # data
     max_length: int = 512  # tokens per row (longer rows are cut)
     eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
+    train_rows: int = -1  # > 0: train on only the first train_rows rows (data-scaling runs; eval rows unchanged)
     feature_cache: bool = False  # Medusa-1: keep each row's target hidden states in memory after the first epoch
     # optimisation
     per_device_batch_size: int = 4
@@ -149,6 +150,8 @@ def prepare_rows(dataset, meta: dict, target_info, cfg: MedusaTrainConfig):
         )
     eval_rows = cfg.eval_rows if cfg.eval_rows >= 0 else max(1, round(0.05 * len(dataset)))
     train_idx, eval_idx = split_eval(len(dataset), eval_rows)
+    if cfg.train_rows > 0:
+        train_idx = train_idx[: cfg.train_rows]
     columns = dataset.select_columns(["input_ids", "loss_mask"])
     train, dropped_train = truncate_rows(columns.select(train_idx), cfg.max_length, min_supervised=1)
     held, dropped_eval = truncate_rows(columns.select(eval_idx), cfg.max_length, min_supervised=1)
@@ -412,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise DataError(f"{len(train_rows)} training rows are fewer than one optimizer step needs "
                         f"({global_batch} rows per batch x {accum} accumulation steps)")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    fused = accelerator.device.type in ("cpu", "cuda")  # fused AdamW: ~6x faster steps on CPU for 100M+ head weights
+    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay, fused=fused)
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step, saved with the state
@@ -434,7 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
             step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
             log(f"resumed from {ckpt} (step {step})")
     if cfg.report_to != "none":
-        accelerator.init_trackers("headstart-medusa", config={k: (v if v is not None else "") for k, v in asdict(cfg).items()})
+        accelerator.init_trackers("headstart-medusa", config={k: (v if v is not None else "") for k, v in asdict(cfg).items()},
+                                  init_kwargs={"wandb": {"dir": str(output_dir)}} if cfg.report_to == "wandb" else {})
 
     # 6. train
     cache: dict[int, torch.Tensor] = {}  # row index -> [T_i, h] target hidden states (feature_cache)
