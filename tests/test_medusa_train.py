@@ -144,7 +144,11 @@ def test_two_processes_equal_one(tiny_target_dir, sd_dir, tmp_path):
 
 
 def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "m1", "--max_steps", "2"))  # Medusa-1 heads to start from
+    with pytest.raises(ConfigError, match="differ"):
+        main(base_args(tiny_target_dir, sd_dir, tmp_path / "bad", "--num_heads", "2", "--init_heads_from", tmp_path / "m1" / "heads"))
     metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--method", "medusa2", "--max_steps", "6",
+                             "--init_heads_from", tmp_path / "m1" / "heads",
                              "--medusa2_warmup_steps", "2", "--target_learning_rate", "1e-2",
                              "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"))
     heads_dir = tmp_path / "heads"

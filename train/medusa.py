@@ -19,7 +19,11 @@ Medusa-2 adds LoRA to the target and the loss KL(original target || tuned target
 after `medusa2_warmup_steps` heads-only steps; the adapter is saved in DIR/heads/adapter.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json [, adapter/]), DIR/checkpoints,
-DIR/train_log.jsonl (one line per optimizer step).
+DIR/train_log.jsonl (one line per optimizer step). Load the heads with `heads.medusa.load_medusa(DIR/heads)`.
+metrics.json (held-out rows = the last `eval_rows` rows of the dataset): `top1`, `top5` [K]; `rank_accuracy` [K][10]
+(P(the ground-truth token is exactly head k's rank-r prediction), for choosing a sparse tree); `eval_positions` [K];
+`target_top1` (the target's own next-token accuracy there, ~1 on greedy data); `greedy_agreement` (Medusa-2: share of
+identical greedy next tokens, tuned vs original target); plus method, target, steps, rows, timings and the config.
 """
 
 from __future__ import annotations
