@@ -348,7 +348,8 @@ def speculative_generate(
 class TreeCalibration:
     choices: list[list[int]]
     expected_accept_length: float
-    step_ms: dict[int, float]  # tree size (root included) -> fastest target forward ms over the repeats
+    step_ms: dict[int, float]  # tree size (root included) -> fastest forward ms over the repeats, monotone fit
+    raw_step_ms: dict[int, float]  # the same before the fit
     draft_ms: float
     expected_tokens_per_s: dict[int, float]
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
@@ -358,9 +359,32 @@ class TreeCalibration:
 
     def to_json(self) -> dict:
         return {"choices": self.choices, "expected_accept_length": self.expected_accept_length,
-                "step_ms": {str(k): v for k, v in self.step_ms.items()}, "draft_ms": self.draft_ms,
+                "step_ms": {str(k): v for k, v in self.step_ms.items()},
+                "raw_step_ms": {str(k): v for k, v in self.raw_step_ms.items()}, "draft_ms": self.draft_ms,
                 "expected_tokens_per_s": {str(k): v for k, v in self.expected_tokens_per_s.items()},
                 "accuracy_source": self.accuracy_source, "prefix_len": self.prefix_len, "device": self.device}
+
+
+def monotone_fit(times: dict[int, float]) -> dict[int, float]:
+    """Least-squares non-decreasing fit of step time vs tree size (pool adjacent violators).
+
+    A bigger tree never costs less; on a busy machine a small size can still time slower than a bigger
+    one, which would make big trees look cheap. Pooling such inversions removes that noise.
+    """
+    sizes = sorted(times)
+    blocks: list[list[float]] = []  # [mean, count]
+    for size in sizes:
+        blocks.append([times[size], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    fitted: dict[int, float] = {}
+    i = 0
+    for mean, count in blocks:
+        for _ in range(int(count)):
+            fitted[sizes[i]] = mean
+            i += 1
+    return fitted
 
 
 def _time_ms(fn: Callable[[], None]) -> float:
@@ -417,6 +441,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         draft_ms = min(draft_ms, _time_ms(lambda: medusa_logits(heads, hidden[0], len(accuracy), lm_head_weight)))
         for size, step in steps.items():
             step_ms[size] = min(step_ms[size], _time_ms(step))
+    raw_step_ms = dict(step_ms)
+    step_ms = monotone_fit(step_ms)
     expected: dict[int, float] = {}
     for size in steps:
         cost = step_ms[size] + (draft_ms if size > 1 else 0.0)  # a one-node "tree" is plain decoding: no draft
@@ -424,7 +450,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     best = max(expected, key=lambda s: expected[s])
     choices = per_size_choices[best]
     return TreeCalibration(choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
-                           step_ms=step_ms, draft_ms=draft_ms, expected_tokens_per_s=expected,
+                           step_ms=step_ms, raw_step_ms=raw_step_ms, draft_ms=draft_ms, expected_tokens_per_s=expected,
                            accuracy_source=source, prefix_len=prefix_len, device=str(device),
                            choices_by_size=per_size_choices)
 
@@ -674,8 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is often faster)")
     parser.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         spec = Speculator.from_pretrained(args.heads, target=args.target, tree=args.tree, dtype=args.dtype,
                                           device=args.device)

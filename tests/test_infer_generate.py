@@ -535,3 +535,11 @@ def test_root_only_tree_is_plain_decoding():
     out = spec.generate(prompt, 20, stop_token_ids=[])
     assert out.tokens == reference(model, prompt[None], 20)[0]
     assert spec.tree.size == 1 and out.stats.decode_forwards == 19 and out.stats.accept_hist == [19]
+
+
+def test_monotone_fit_pools_timing_inversions():
+    from inference.generate import monotone_fit
+
+    assert monotone_fit({1: 10.0, 4: 12.0, 8: 20.0}) == {1: 10.0, 4: 12.0, 8: 20.0}
+    fitted = monotone_fit({1: 36.0, 4: 24.0, 8: 48.0, 16: 61.0, 32: 67.0, 64: 53.0})
+    assert fitted == pytest.approx({1: 30.0, 4: 30.0, 8: 48.0, 16: 181 / 3, 32: 181 / 3, 64: 181 / 3})
