@@ -12,7 +12,7 @@ from conftest import tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
-from inference.generate import (DraftInput, GenerateOutput, Speculator, SpeculatorError, TextStream, calibrate_tree,
+from inference.generate import (DraftInput, Speculator, SpeculatorError, TextStream, calibrate_tree,
                                 main)
 from inference.tree import Tree, static_tree_tokens, tree_from_choices
 
@@ -543,3 +543,12 @@ def test_monotone_fit_pools_timing_inversions():
     assert monotone_fit({1: 10.0, 4: 12.0, 8: 20.0}) == {1: 10.0, 4: 12.0, 8: 20.0}
     fitted = monotone_fit({1: 36.0, 4: 24.0, 8: 48.0, 16: 61.0, 32: 67.0, 64: 53.0})
     assert fitted == pytest.approx({1: 30.0, 4: 30.0, 8: 48.0, 16: 181 / 3, 32: 181 / 3, 64: 181 / 3})
+
+
+def test_stop_token_as_the_first_token():
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    spec = Speculator(model, random_heads(seed=2))
+    prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(17))
+    first = reference(model, prompt[None], 1)[0][0]
+    out = spec.generate(prompt, 50, stop_token_ids=[first])
+    assert out.tokens == [first] and out.stopped and out.stats.decode_forwards == 0

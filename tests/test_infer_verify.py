@@ -4,7 +4,6 @@ rules), typical acceptance, temperature / top-p processing."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
 import torch
