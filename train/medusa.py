@@ -83,7 +83,8 @@ class MedusaTrainConfig:
     gradient_accumulation_steps: int = 1
     num_epochs: int = 1
     max_steps: int = -1  # optimizer steps; > 0 overrides num_epochs (and sets the schedule length)
-    learning_rate: float = 1e-3  # heads
+    learning_rate: float = 1e-3  # heads (residual blocks; also their own lm_heads unless lm_head_learning_rate is set)
+    lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
     weight_decay: float = 0.0
     warmup_ratio: float = 0.1
     max_grad_norm: float = 1.0
@@ -405,11 +406,14 @@ def main(argv: list[str] | None = None) -> dict:
         target = get_peft_model(target, lora)
         target.train()
         model = Medusa2Model(target, heads)
-        groups = [{"params": list(heads.parameters()), "lr": cfg.learning_rate},
-                  {"params": [p for p in target.parameters() if p.requires_grad], "lr": cfg.target_learning_rate}]
     else:
         model = heads
-        groups = [{"params": list(heads.parameters()), "lr": cfg.learning_rate}]
+    lm_head_lr = cfg.lm_head_learning_rate if cfg.lm_head_learning_rate is not None else cfg.learning_rate
+    groups = [{"params": list(heads.blocks.parameters()), "lr": cfg.learning_rate}]
+    if heads.lm_heads is not None:
+        groups.append({"params": list(heads.lm_heads.parameters()), "lr": lm_head_lr})
+    if medusa2:
+        groups.append({"params": [p for p in target.parameters() if p.requires_grad], "lr": cfg.target_learning_rate})
 
     # 4. schedule: fixed global batches; N processes x batch b == 1 process x batch N*b
     global_batch = cfg.per_device_batch_size * accelerator.num_processes
@@ -518,7 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
             kl_value = float(accelerator.reduce(kl_total, "sum")) if tune_target else 0.0
             record = {"step": step, "loss": heads_loss if not tune_target else kl_value + cfg.medusa2_heads_weight * heads_loss,
                       "heads_loss": heads_loss, "head_ce": [round(float(c), 6) for c in head_ce],
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm) if grad_norm is not None else None}  # None under DeepSpeed
+                      "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - start_time, 1), "grad_norm": float(grad_norm) if grad_norm is not None else None}  # None under DeepSpeed
             if medusa2:
                 record["kl"] = kl_value
             if log_file:
