@@ -28,6 +28,15 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 128, seed: int = 0, 
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models run faster, and steadier on a shared 2-core machine, on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
 

@@ -27,12 +27,7 @@ SETTINGS_KEYS = {"command", "date", "device", "dtype", "torch", "transformers", 
                  "num_prompts_used", "max_new_tokens", "tree", "prompt_lookup_num_tokens", "stop_token_ids"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def save_heads(path: Path, target_dir: Path, seed: int, fingerprint: str | None = None) -> Path:

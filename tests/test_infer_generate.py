@@ -23,13 +23,7 @@ ORACLE_CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 
                   [0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0, 0]]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread is faster, and steadier on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def random_heads(num_heads: int = 3, seed: int = 0, target=None) -> MedusaHeads:

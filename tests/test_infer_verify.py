@@ -15,12 +15,7 @@ from inference.verify import greedy_accept, sample_accept, target_probs, typical
 V = 8  # stub vocabulary
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------------------------------------
