@@ -126,41 +126,32 @@ def _chi_square_pvalue(counts: torch.Tensor, exact: torch.Tensor) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
-def _biased_overaccept(children, tokens, probs, generator=None):
-    """WRONG on purpose: accepts a child with probability min(1, 1.5 p(x))."""
-    path, node = [0], 0
-    while True:
-        p = probs[node].double().clone()
-        accepted = None
-        for child in children[node]:
-            x = tokens[child]
-            px = float(p[x] / p.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < min(1.0, 1.5 * px):
-                accepted = child
-                break
-            p[x] = 0.0
-        if accepted is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(accepted)
-        node = accepted
+def _biased_rule(accept_probability):
+    """A tree walk like sample_accept but WRONG on purpose: child x of a node is accepted with
+    accept_probability(p_now(x), p_orig(x)), p_now being the renormalised remainder after rejections."""
+
+    def accept(children, tokens, probs, generator=None):
+        path, node = [0], 0
+        while True:
+            p = probs[node].double().clone()
+            accepted = None
+            for child in children[node]:
+                x = tokens[child]
+                chance = accept_probability(float(p[x] / p.sum()), float(probs[node, x]))
+                if float(torch.rand((), generator=generator, dtype=torch.float64)) < chance:
+                    accepted = child
+                    break
+                p[x] = 0.0
+            if accepted is None:
+                return path, int(torch.multinomial(p, 1, generator=generator))
+            path.append(accepted)
+            node = accepted
+
+    return accept
 
 
-def _biased_no_renormalise(children, tokens, probs, generator=None):
-    """WRONG on purpose: after a rejection, the next child is tried with its original p(x)."""
-    path, node = [0], 0
-    while True:
-        p = probs[node].double().clone()
-        accepted = None
-        for child in children[node]:
-            x = tokens[child]
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(probs[node, x]):
-                accepted = child
-                break
-            p[x] = 0.0
-        if accepted is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(accepted)
-        node = accepted
+_biased_overaccept = _biased_rule(lambda p_now, p_orig: min(1.0, 1.5 * p_now))  # accepts with min(1, 1.5 p(x))
+_biased_no_renormalise = _biased_rule(lambda p_now, p_orig: p_orig)  # ignores earlier rejections
 
 
 N_SAMPLES = 8000
