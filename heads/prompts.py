@@ -7,6 +7,7 @@ Specs:
                               signature + docstring -> "complete this function"
   hf:NAME[:SPLIT]             a Hugging Face dataset (through `datasets`; needs the network or its cache)
   PATH.json / PATH.jsonl      a local file
+  A+B[+C...]                  several sources mixed, rows taken in turn (A1, B1, A2, B2, ...)
 
 Row schemas understood (hf and local files): ShareGPT `conversations: [{from, value}]`,
 OpenAI-style `messages: [{role, content}]`, Alpaca `instruction` (+ `input`), plain `prompt`, and
@@ -197,6 +198,7 @@ def _pycode(split: str, spec: str) -> PromptSource:
             body = "\n".join("    " + line if line else "" for line in doc.splitlines())
             prompt = f'Complete this Python function:\n```python\n{signature}\n    """{body.lstrip()}\n    """\n```'
             rows.append(PromptRow(id=f"pycode-{file.stem}.{node.name}-{node.lineno}", turns=[prompt], category="code"))
+    rows.sort(key=lambda r: hashlib.sha1(r.id.encode()).hexdigest())  # spread the first N rows over many modules
     return PromptSource(spec=spec, rows=_split(rows, split, spec))
 
 
@@ -215,8 +217,23 @@ def _huggingface(name: str, split: str, spec: str) -> PromptSource:
     return _parse_rows(dataset, spec)
 
 
+def _mix(sources: list[PromptSource], spec: str, limit: int | None) -> PromptSource:
+    """Rows of several sources taken in turn until `limit` rows (or all sources run out)."""
+    rows: list[PromptRow] = []
+    skipped: collections.Counter = collections.Counter()
+    for source in sources:
+        skipped.update(source.skipped)
+    for i in range(max(len(s.rows) for s in sources)):
+        for source in sources:
+            if i < len(source.rows) and (limit is None or len(rows) < limit):
+                rows.append(source.rows[i])
+    return PromptSource(spec=spec, rows=rows, skipped=skipped)
+
+
 def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
     """Read a prompt source by its spec string (see module docstring); keep the first `limit` rows."""
+    if "+" in spec and not Path(spec).expanduser().exists():
+        return _mix([load_prompts(part) for part in spec.split("+")], spec, limit)
     name, _, split = spec.partition(":")
     if name == "chitchat":
         source = _chitchat(split, spec)

@@ -46,6 +46,15 @@ def test_embedded_sources_and_fixed_split():
     assert len(load_prompts("humaneval").rows) == 164
     code = load_prompts("pycode:train")
     assert len(code.rows) > 500 and code.rows[0].turns[0].startswith("Complete this Python function")
+    modules = {r.id.split(".")[0] for r in code.rows[:50]}
+    assert len(modules) > 20  # the first rows come from many modules, not the first file alphabetically
+
+
+def test_mixed_sources_take_rows_in_turn():
+    chat, code = load_prompts("chitchat:train", limit=3).rows, load_prompts("pycode:train", limit=3).rows
+    mixed = load_prompts("chitchat:train+pycode:train", limit=5)
+    assert [r.id for r in mixed.rows] == [chat[0].id, code[0].id, chat[1].id, code[1].id, chat[2].id]
+    assert load_prompts("chitchat:train+pycode:train").skipped == load_prompts("chitchat:train").skipped
 
 
 @pytest.mark.parametrize("spec, fragment", [
