@@ -1,0 +1,246 @@
+"""EAGLE draft models (Li et al. 2024, 2025): one decoder layer that drafts from the target's features.
+
+EAGLE-1 (`method="eagle"`): the feature f_t is the target's final-norm hidden state at position t. The draft at
+position t reads fc(cat(embed(x_{t+1}), f_t)) (2h -> h), runs one decoder layer of the target's own family
+(without its input layernorm) and predicts f_{t+1}; the target's frozen lm_head turns that into logits for x_{t+2}.
+
+EAGLE-3 (`method="eagle3"`): the feature is fc(cat(hidden_states[i] for i in feature_layers)) (3h -> h; HF
+indexing: hidden_states[0] is the embedding output, [i] the input of layer i; default low/mid/high taps 2, L//2,
+L-3). The layer's attention reads cat(input_layernorm(embed), hidden_norm(feature)) (2h into q/k/v); its pre-norm
+output is fed back as the next step's feature, and `norm` + the draft's own `lm_head` give logits over a reduced
+draft vocabulary (the most frequent target tokens): draft id i is target id i + d2t[i]; t2d marks the target ids
+that have a draft id.
+
+Tensor names follow vLLM's loaders: `fc.*`, `layers.0.*` (the decoder layer; `hidden_norm` for EAGLE-3), `norm`,
+`lm_head`, `d2t`. The target's embeddings (and, for EAGLE-1, its lm_head) are not stored: they are the target's.
+
+    draft = EagleDraft(eagle_config_for(model, "eagle3", draft_vocab_size=8192))
+    feats = draft.fuse(taps)                          # [B, T, n*h] -> [B, T, h]
+    out = draft(embeds, feats, position_ids, mask, cache)   # [B, T, h]: the predicted next features
+    logits = draft.logits(out, lm_head_weight)        # [B, T, draft_vocab]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import PyTorchModelHubMixin
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from heads.medusa import CONFIG_NAME, WEIGHTS_NAME, HeadsLoadError, check_target, resolve_heads_dir
+
+METHODS = ("eagle", "eagle3")
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    vocab_size: int
+    method: str = "eagle"  # "eagle" (EAGLE-1) or "eagle3"
+    draft_vocab_size: int = 0  # EAGLE-3's reduced vocabulary; EAGLE-1 uses the target's (0 -> vocab_size)
+    feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
+    layer_config: dict = field(default_factory=dict)  # the target's text config (builds the decoder layer)
+    target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown EAGLE method {self.method!r}; use one of {METHODS}")
+        if not self.draft_vocab_size:
+            self.draft_vocab_size = self.vocab_size
+        if self.method == "eagle" and self.draft_vocab_size != self.vocab_size:
+            raise ValueError("EAGLE-1 drafts over the target's whole vocabulary (it uses the target's lm_head); "
+                             "a reduced draft_vocab_size needs method: eagle3")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+
+
+def default_feature_layers(method: str, num_hidden_layers: int) -> list[int]:
+    """EAGLE-1: the final-norm output (HF hidden_states[L]); EAGLE-3: inputs of layers 2, L//2, L-3."""
+    n = num_hidden_layers
+    if method == "eagle":
+        return [n]
+    taps = [min(2, n - 1), n // 2, max(n - 3, 0)]
+    return taps
+
+
+def eagle_config_for(model, method: str = "eagle", draft_vocab_size: int = 0, feature_layers: list[int] | None = None,
+                     target_info: Any = None) -> EagleConfig:
+    """An EagleConfig sized for `model` (a transformers causal LM)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_config = text.to_dict()
+    layer_config["num_hidden_layers"] = 1
+    if layer_config.get("layer_types"):
+        layer_config["layer_types"] = layer_config["layer_types"][:1]
+    layer_config.pop("quantization_config", None)
+    return EagleConfig(
+        hidden_size=text.hidden_size, vocab_size=text.vocab_size, method=method, draft_vocab_size=draft_vocab_size,
+        feature_layers=list(feature_layers) if feature_layers else default_feature_layers(method, text.num_hidden_layers),
+        layer_config=layer_config, target=target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info or {}),
+    )
+
+
+def _family_classes(layer_config: PretrainedConfig) -> tuple[type, type]:
+    """The target family's decoder layer and rotary embedding classes, found next to its causal LM class."""
+    lm_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(layer_config)]
+    module = sys.modules[lm_class.__module__]
+    layer = [getattr(module, n) for n in dir(module) if n.endswith("DecoderLayer")]
+    rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
+    if len(layer) != 1 or len(rotary) != 1:
+        raise ValueError(f"cannot find one decoder layer and one rotary embedding class for {layer_config.model_type!r}; "
+                         "EAGLE here supports decoder-only families with rotary positions (llama, qwen2, qwen3, mistral)")
+    return layer[0], rotary[0]
+
+
+class EagleDraft(nn.Module, PyTorchModelHubMixin, library_name="headstart", tags=["eagle", "speculative-decoding"]):
+    def __init__(self, config: EagleConfig | dict):
+        super().__init__()
+        if isinstance(config, dict):
+            config = EagleConfig(**config)
+        self.config = config
+        h = config.hidden_size
+        layer_config = AutoConfig.for_model(**config.layer_config)
+        layer_config._attn_implementation = "sdpa"  # an explicit 4D mask is always passed
+        layer_class, rotary_class = _family_classes(layer_config)
+        layer = layer_class(layer_config, layer_idx=0)
+        self.rotary_emb = rotary_class(layer_config)
+        if config.method == "eagle":
+            self.fc = nn.Linear(2 * h, h, bias=True)
+            del layer.input_layernorm  # the first (only) layer reads fc's output directly
+        else:
+            self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):  # attention reads cat(embed, feature): 2h inputs
+                old = getattr(attn, name)
+                setattr(attn, name, nn.Linear(2 * h, old.out_features, bias=old.bias is not None))
+            layer.hidden_norm = type(layer.input_layernorm)(h, eps=layer_config.rms_norm_eps)
+            self.norm = type(layer.input_layernorm)(h, eps=layer_config.rms_norm_eps)
+            self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if config.draft_vocab_size ==
+                                 config.vocab_size else torch.zeros(config.vocab_size, dtype=torch.bool))
+        self.layers = nn.ModuleList([layer])
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.config.method == "eagle3"
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's tapped hidden states [..., n*h] (concatenated in feature_layers order) -> feature [..., h]."""
+        return self.fc(taps) if self.is_eagle3 else taps
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """embeds [B, T, h] (target embedding of x_{t+1}), features [B, T, h] (f_t, fused or fed back),
+        position_ids [B, T], attention_mask additive [B, 1, T, past + T] (None: causal without a cache)
+        -> [B, T, h]: the predicted f_{t+1} (EAGLE-1) / pre-norm output fed back as a feature (EAGLE-3)."""
+        layer = self.layers[0]
+        if attention_mask is None:
+            attention_mask = causal_mask(embeds.shape[1], embeds.dtype, embeds.device)
+        if self.is_eagle3:
+            residual = features
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)  # [B, T, 2h]
+        else:
+            x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, T, h]
+            residual = x
+        position_embeddings = self.rotary_emb(residual, position_ids=position_ids)
+        attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, cache=cache)
+        x = residual + attn
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """out [..., h] -> logits [..., draft_vocab_size] (EAGLE-1: the target's lm_head, pass its weight [V, h])."""
+        if self.is_eagle3:
+            return self.lm_head(self.norm(out))
+        if lm_head_weight is None:
+            raise ValueError("EAGLE-1 drafts through the target's lm_head: pass lm_head_weight")
+        return out @ lm_head_weight.t()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft vocabulary ids -> target vocabulary ids (identity for EAGLE-1)."""
+        return draft_ids + self.d2t[draft_ids] if self.is_eagle3 else draft_ids
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Use these target ids (draft_vocab_size of them, distinct) as the draft vocabulary, in increasing order."""
+        ids = torch.unique(target_ids.long())  # sorted
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+
+def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive causal mask [1, 1, T, T]."""
+    blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
+
+
+def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The k target ids with the highest counts [V] (ties: lower id first), in increasing id order."""
+    order = torch.sort(-counts.double(), stable=True).indices  # most frequent first, ties by id
+    return torch.sort(order[:k]).values
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading a draft directory (local path or Hub id): config.json, model.safetensors
+
+def read_eagle_config(heads_dir: Path) -> EagleConfig:
+    file = heads_dir / CONFIG_NAME
+    if not file.is_file():
+        raise HeadsLoadError(f"{heads_dir} has no {CONFIG_NAME}: not a heads directory written by headstart")
+    try:
+        raw = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise HeadsLoadError(f"{file} is not valid JSON ({err})") from err
+    if not isinstance(raw, dict) or raw.get("method") not in METHODS:
+        raise HeadsLoadError(f"{file} does not describe an EAGLE draft (method={raw.get('method') if isinstance(raw, dict) else None!r})")
+    unknown = sorted(set(raw) - {f.name for f in fields(EagleConfig)})
+    if unknown:
+        raise HeadsLoadError(f"{file} has unknown key(s) {unknown}: written by a newer headstart?")
+    try:
+        return EagleConfig(**raw)
+    except (TypeError, ValueError) as err:
+        raise HeadsLoadError(f"{file}: {err}") from err
+
+
+def load_eagle_draft(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
+                     device: str | torch.device = "cpu") -> EagleDraft:
+    """Load an EAGLE-1/3 draft from a local directory or Hub id; with `target_info`, refuse another target's."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    heads_dir = resolve_heads_dir(dir_or_id, revision)
+    config = read_eagle_config(heads_dir)
+    if target_info is not None:
+        check_target(config, target_info, where=f"the EAGLE draft in {dir_or_id}")
+    weights = heads_dir / WEIGHTS_NAME
+    if not weights.is_file():
+        raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the draft's weights are missing (interrupted save or upload?)")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the draft") from err
+    draft = EagleDraft(config)
+    try:
+        draft.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {str(err).splitlines()[0]}") from err
+    return draft.to(device).eval()
+
+
+def heads_method(dir_or_id: str | Path, revision: str | None = None) -> str:
+    """The `method` recorded in a heads directory's config.json ("medusa", "medusa2", "eagle", "eagle3")."""
+    file = resolve_heads_dir(dir_or_id, revision) / CONFIG_NAME
+    try:
+        return str(json.loads(file.read_text()).get("method", ""))
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise HeadsLoadError(f"cannot read {file}: {err}") from err
