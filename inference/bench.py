@@ -85,6 +85,7 @@ def _unique_labels(paths: Sequence[Path]) -> list[str]:
 
 def find_heads(patterns: Sequence[str]) -> list[HeadsEntry]:
     """Resolve --heads arguments (dirs, globs, a train/medusa.py output_dir holding heads/, Hub ids)."""
+    from heads.eagle import heads_method, read_eagle_config
     from heads.medusa import HeadsLoadError, read_medusa_config, resolve_heads_dir
 
     names = _expand(patterns)
@@ -110,10 +111,11 @@ def find_heads(patterns: Sequence[str]) -> list[HeadsEntry]:
     for path, label in zip(dirs, _unique_labels(dirs)):
         label = f"heads:{label}" if label in RESERVED_NAMES else label
         try:
-            config = read_medusa_config(path)
+            config = read_eagle_config(path) if heads_method(path).startswith("eagle") else read_medusa_config(path)
         except HeadsLoadError as err:
             raise BenchError(str(err)) from err
-        entries.append(HeadsEntry(path=path, label=label, target=dict(config.target or {}), adapter=config.adapter))
+        entries.append(HeadsEntry(path=path, label=label, target=dict(config.target or {}),
+                                  adapter=getattr(config, "adapter", False)))
     return entries
 
 
@@ -243,7 +245,7 @@ class Run:
 @dataclass
 class Method:
     name: str
-    kind: str  # vanilla | prompt_lookup | medusa
+    kind: str  # vanilla | prompt_lookup | medusa | eagle | eagle3
     run: Callable[[list[int], int], Run]
     info: dict = field(default_factory=dict)  # heads dir, tree...
 
@@ -284,6 +286,12 @@ def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.de
         return Run(list(out.tokens), seconds, s.decode_forwards, draft_s=s.draft_s, verify_s=s.verify_s + s.prefill_s,
                    prefill_s=s.prefill_s, step_s=s.verify_s, accept_hist=list(s.accept_hist))
 
+    if spec.is_eagle:
+        dyn = spec.dynamic
+        info = {"heads_dir": str(entry.path), "method": spec.heads.config.method,
+                "draft_vocab_size": spec.heads.config.draft_vocab_size,
+                "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}}
+        return Method(name=entry.label, kind=spec.heads.config.method, run=run, info=info)
     tree = spec.tree
     choices = [[tree.ranks[n] for n in _path_to(tree, i)] for i in range(1, tree.size)]
     info = {"heads_dir": str(entry.path), "num_heads": spec.heads.config.num_heads,
@@ -363,7 +371,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
                        "draft_ms": draft_ms, "vanilla_step_ms": vanilla_step_ms, "predicted_speedup": predicted},
         "identical": len(runs) - len(mismatches), "identical_of": len(runs), "all_identical": not mismatches,
         "mismatches": mismatches,
-        "accept_hist": hist if method.kind == "medusa" else None,
+        "accept_hist": hist if method.kind not in ("vanilla", "prompt_lookup") else None,
     }
 
 
@@ -401,7 +409,7 @@ def markdown(results: dict) -> str:
              "| tree |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in results["methods"].items():
-        tree = s.get("tree", {}).get("size") if s["kind"] == "medusa" else None
+        tree = (s.get("tree") or {}).get("size")
         lines.append(f"| {name} | {_fmt(s['tau'])} | {_fmt(s['tokens_per_s'], 1)} | {_fmt(s['speedup'], 2, 'x')} | "
                      f"{_fmt(s['efficiency'])} | {_split(s)} | {s['identical']}/{s['identical_of']} | "
                      f"{tree if tree else '-'} |")

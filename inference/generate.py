@@ -30,11 +30,13 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, Tree, best_choices, build_dynamic_tree, default_choices,
                             expected_accept_length, static_tree_tokens, tree_from_choices)
 from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 TREE_FILE = "tree.json"
+DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=12)  # small: verification is costly on CPU
 
 
 class SpeculatorError(ValueError):
@@ -56,12 +58,14 @@ def _forward_kwargs(base_model_type: type) -> tuple[str, bool]:
 
 def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache,
                    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   last_only: bool = False, feature_layers: Sequence[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the target on input_ids [1, T] appending to `cache`.
 
-    Returns (logits [T, V] (or [1, V] with last_only), hidden [T, h] (or [1, h])): hidden is the
-    decoder's final-norm output, the Medusa heads' input. attention_mask: None (causal) or an additive
-    float mask [1, 1, T, past + T], passed through unchanged by transformers' mask builders.
+    Returns (logits [T, V] (or [1, V] with last_only), hidden [T, h] (or [1, h]), taps [T, n*h] or None):
+    hidden is the decoder's final-norm output, the Medusa heads' input; taps (only with feature_layers, for
+    EAGLE) concatenates HF hidden_states[i] for i in feature_layers at every position. attention_mask: None
+    (causal) or an additive float mask [1, 1, T, past + T], passed through unchanged by transformers' mask builders.
     """
     cache_arg, takes_cache_position = _forward_kwargs(type(model.base_model))
     past = cache.get_seq_length()
@@ -70,15 +74,18 @@ def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Dynam
         position_ids = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)[None]
     if takes_cache_position:
         kwargs["cache_position"] = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+    if feature_layers:
+        kwargs["output_hidden_states"] = True
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = out.last_hidden_state[0]  # [T, h]
+    taps = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1) if feature_layers else None
     if last_only:
         hidden = hidden[-1:]
     logits = model.get_output_embeddings()(hidden)  # [T, V]
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return logits.float(), hidden
+    return logits.float(), hidden, taps
 
 
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> None:
@@ -106,6 +113,8 @@ class DraftInput:
     hidden: torch.Tensor  # [h] target's final-norm hidden state at the last token in the cache
     root: int  # the token the target chose after it (node 0 of the tree; not in the cache yet)
     context: list[int]  # every token so far (prompt + emitted), the root included
+    features: torch.Tensor | None = None  # [k, n*h] the proposer's feature_layers taps of the k target cache
+    # entries added since its last call (the prompt, then each accepted path); None unless it has feature_layers
 
 
 class Proposer(Protocol):
@@ -287,8 +296,12 @@ def speculative_generate(
     stats = GenerateStats()
     start = time.perf_counter()
 
+    feature_layers = getattr(proposer, "feature_layers", None)  # an EAGLE draft reads these target taps
+    if hasattr(proposer, "reset"):
+        proposer.reset()
     cache = DynamicCache()
-    logits, hidden = target_forward(model, ids[None].to(device), cache, last_only=True)  # [1, V], [1, h]
+    logits, hidden, taps = target_forward(model, ids[None].to(device), cache, last_only=True,
+                                          feature_layers=feature_layers)  # [1, V], [1, h], [L, n*h]
     root = _choose_first(logits[0], sampling, generator)
     hidden_last = hidden[0]
     prefix_len = ids.numel()
@@ -301,11 +314,12 @@ def speculative_generate(
 
     while not stopped and len(emitted) < max_new_tokens:
         t0 = time.perf_counter()
-        tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context))
+        tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
         t1 = time.perf_counter()
         mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
         positions = tree.position_ids(prefix_len, device=device)  # [1, N]
-        logits, hidden = target_forward(model, tokens[None].to(device), cache, mask, positions)  # [N, V], [N, h]
+        logits, hidden, taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
+                                              feature_layers=feature_layers)  # [N, V], [N, h], [N, n*h]
         token_list = tokens.tolist()
         path, bonus = _accept(tree, token_list, logits, sampling, generator)
         compact_cache(cache, prefix_len, path)
@@ -320,6 +334,8 @@ def speculative_generate(
 
         prefix_len += len(path)
         hidden_last = hidden[path[-1]]
+        if taps is not None:
+            taps = taps[path]  # the accepted nodes are the new cache entries
         new = [token_list[i] for i in path[1:]] + [bonus]
         step_out: list[int] = []
         for tok in new:
@@ -396,8 +412,12 @@ def _time_ms(fn: Callable[[], None]) -> float:
 @torch.no_grad()
 def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Sequence[Sequence[float]] | None = None,
                    sizes: Sequence[int] = (1, 4, 8, 16, 32, 64), prefix_len: int = 256, repeats: int = 3,
-                   lm_head_weight: torch.Tensor | None = None) -> TreeCalibration:
+                   lm_head_weight: torch.Tensor | None = None,
+                   draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None) -> TreeCalibration:
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time).
+
+    The draft is timed once with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting
+    a dynamic tree of that size and depth), per size.
 
     Each size n is timed as one tree forward of n tokens over a cache of `prefix_len` tokens (the best
     tree of n nodes for `accuracy`, so the mask is the real one), `repeats` rounds over all sizes, fastest
@@ -406,7 +426,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     """
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]
-    accuracy = accuracy[: heads.config.num_heads]
+    accuracy = accuracy[: getattr(heads.config, "num_heads", len(accuracy))]
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -416,7 +436,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(device)
     cache = DynamicCache()
-    _, hidden = target_forward(model, prompt, cache, last_only=True)
+    _, hidden, _ = target_forward(model, prompt, cache, last_only=True)
     steps: dict[int, Callable[[], None]] = {}
     per_size_choices: dict[int, list[list[int]]] = {}
     for n in sizes:
@@ -435,20 +455,27 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     # rounds over all sizes, keeping each size's fastest time: robust to other load on the machine
     for step in steps.values():
         step()  # warm-up
+    if draft_for is None:
+        drafts = {None: lambda: medusa_logits(heads, hidden[0], len(accuracy), lm_head_weight)}
+    else:
+        drafts = {size: draft_for(per_size_choices[size]) for size in steps}
+    draft_times = {key: math.inf for key in drafts}
     step_ms = {size: math.inf for size in steps}
-    draft_ms = math.inf
     for _ in range(repeats):
-        draft_ms = min(draft_ms, _time_ms(lambda: medusa_logits(heads, hidden[0], len(accuracy), lm_head_weight)))
+        for key, run in drafts.items():
+            draft_times[key] = min(draft_times[key], _time_ms(run))
         for size, step in steps.items():
             step_ms[size] = min(step_ms[size], _time_ms(step))
     raw_step_ms = dict(step_ms)
     step_ms = monotone_fit(step_ms)
     expected: dict[int, float] = {}
     for size in steps:
+        draft_ms = draft_times[None] if draft_for is None else draft_times[size]
         cost = step_ms[size] + (draft_ms if size > 1 else 0.0)  # a one-node "tree" is plain decoding: no draft
         expected[size] = 1000.0 * expected_accept_length(per_size_choices[size], accuracy) / cost
     best = max(expected, key=lambda s: expected[s])
     choices = per_size_choices[best]
+    draft_ms = draft_times[None] if draft_for is None else draft_times[best]
     return TreeCalibration(choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
                            step_ms=step_ms, raw_step_ms=raw_step_ms, draft_ms=draft_ms, expected_tokens_per_s=expected,
                            accuracy_source=source, prefix_len=prefix_len, device=str(device),
@@ -512,10 +539,11 @@ def _merge_adapter(model: PreTrainedModel, heads_dir: Path) -> PreTrainedModel:
 
 
 class Speculator:
-    """Medusa heads + their target + a tree. `generate` is lossless unless acceptance='typical'.
+    """Draft heads (Medusa or EAGLE-1/3) + their target + a tree. `generate` is lossless unless acceptance='typical'.
 
-    For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its* greedy
-    decoding / distribution (a target you pass in is copied first, never modified).
+    Medusa heads draft a static tree (`self.tree`); an EAGLE draft grows a dynamic tree of `self.dynamic`'s
+    size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
+    greedy decoding / distribution (a target you pass in is copied first, never modified).
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
@@ -524,10 +552,27 @@ class Speculator:
         self.heads = heads
         self.tokenizer = tokenizer
         self.heads_dir = heads_dir
-        choices = default_choices(heads.config.num_heads) if choices is None else choices
-        choices = [list(c) for c in choices if len(c) <= heads.config.num_heads]
-        self.tree = tree_from_choices(choices)
-        self.lm_head_weight = model.get_output_embeddings().weight if heads.config.share_lm_head else None
+        self.is_eagle = str(heads.config.method).startswith("eagle")
+        self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
+        if self.is_eagle:
+            self.dynamic = DEFAULT_EAGLE_TREE if choices is None else dynamic_config_from_choices([list(c) for c in choices])
+            self.tree = None
+            self.lm_head_weight = None
+        else:
+            choices = default_choices(heads.config.num_heads) if choices is None else choices
+            choices = [list(c) for c in choices if len(c) <= heads.config.num_heads]
+            self.tree = tree_from_choices(choices)
+            self.lm_head_weight = model.get_output_embeddings().weight if heads.config.share_lm_head else None
+
+    @property
+    def tree_size(self) -> int:
+        """Nodes per verification (root included): the static tree's, or the dynamic tree's total."""
+        return self.dynamic.total_tokens if self.is_eagle else self.tree.size
+
+    def make_proposer(self) -> Proposer:
+        if self.is_eagle:
+            return EagleProposer(self.heads, self.model, self.dynamic)
+        return MedusaProposer(self.heads, self.tree, self.lm_head_weight)
 
     @classmethod
     def from_pretrained(cls, heads: str | Path, target: PreTrainedModel | str | None = None, tokenizer=None,
@@ -540,14 +585,18 @@ class Speculator:
         tree: None (the heads dir's tree.json if any, else the default), "default", "auto" (calibrate on
         this device and write tree.json), a path to a JSON file with "choices", or a list of choices.
         """
+        from heads.eagle import heads_method, load_eagle_draft
         from heads.medusa import MedusaHeads
         from heads.target import fingerprint, load_target
 
         heads_dir = _resolve_heads_dir(heads)
         try:
-            medusa = MedusaHeads.from_pretrained(str(heads_dir))
+            if heads_method(heads_dir).startswith("eagle"):
+                medusa = load_eagle_draft(heads_dir)  # (named for the common case; any heads below)
+            else:
+                medusa = MedusaHeads.from_pretrained(str(heads_dir))
         except Exception as err:
-            raise SpeculatorError(f"could not load Medusa heads from {heads_dir} ({err.__class__.__name__}: "
+            raise SpeculatorError(f"could not load the heads in {heads_dir} ({err.__class__.__name__}: "
                                   f"{str(err).splitlines()[0][:200] if str(err) else ''}); re-download or re-train them") from err
         recorded = medusa.config.target or {}
         if target is None:
@@ -586,7 +635,12 @@ class Speculator:
         return spec
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | None) -> None:
-        """See `from_pretrained` for the accepted values."""
+        """See `from_pretrained` for the accepted values (EAGLE: also a DynamicTreeConfig)."""
+        if isinstance(tree, DynamicTreeConfig):
+            if not self.is_eagle:
+                raise SpeculatorError("a dynamic tree needs an EAGLE draft; Medusa heads take tree choices")
+            self.dynamic = tree
+            return
         saved = self.heads_dir / TREE_FILE if self.heads_dir is not None else None
         if tree is None:
             if saved is not None and saved.is_file():
@@ -594,9 +648,13 @@ class Speculator:
             else:
                 tree = "default"
         if tree == "default":
+            if self.is_eagle:
+                self.dynamic = DEFAULT_EAGLE_TREE
+                return
             choices = default_choices(self.heads.config.num_heads)
         elif tree == "auto":
-            choices = self.calibrate().choices
+            self.calibrate()
+            return
         elif isinstance(tree, (str, Path)):
             file = Path(tree)
             if not file.is_file():
@@ -607,14 +665,21 @@ class Speculator:
                 raise SpeculatorError(f"{file} is not a tree file: it needs a JSON object with a 'choices' list") from err
         else:
             choices = tree
-        choices = [list(c) for c in choices if len(c) <= self.heads.config.num_heads]
-        self.tree = tree_from_choices(choices)
+        choices = [list(c) for c in choices if len(c) <= self.max_depth]
+        if self.is_eagle:
+            self.dynamic = dynamic_config_from_choices(choices)
+        else:
+            self.tree = tree_from_choices(choices)
 
     def calibrate(self, sizes: Sequence[int] = (1, 4, 8, 16, 32, 64), prefix_len: int = 256,
                   repeats: int = 3) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight)
+        draft_for = self._eagle_draft_timer(prefix_len) if self.is_eagle else None
+        if self.is_eagle and accuracy is not None:
+            accuracy = accuracy[: self.max_depth]
+        calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight,
+                               draft_for)
         if self.heads_dir is not None:
             record = calib.to_json()
             if accuracy is not None:
@@ -623,8 +688,26 @@ class Speculator:
                 (self.heads_dir / TREE_FILE).write_text(json.dumps(record, indent=1))
             except OSError as err:  # a read-only Hub cache: keep the choice in memory only
                 print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
-        self.tree = tree_from_choices(calib.choices)
+        if self.is_eagle:
+            self.dynamic = dynamic_config_from_choices(calib.choices)
+        else:
+            self.tree = tree_from_choices(calib.choices)
         return calib
+
+    def _eagle_draft_timer(self, prefix_len: int) -> Callable[[list[list[int]]], Callable[[], None]]:
+        """draft_for(choices) -> a callable drafting one dynamic tree of that shape after a prefix_len context."""
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        device = next(self.model.parameters()).device
+        context = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+        _, hidden, taps = target_forward(self.model, torch.tensor([context[:-1]], device=device), DynamicCache(),
+                                         feature_layers=self.heads.config.feature_layers)
+
+        def draft_for(choices: list[list[int]]) -> Callable[[], None]:
+            proposer = EagleProposer(self.heads, self.model, dynamic_config_from_choices(choices))
+            proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context, features=taps))  # commit
+            return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
+
+        return draft_for
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
@@ -642,7 +725,7 @@ class Speculator:
             eos = getattr(self.model.generation_config, "eos_token_id", None)
             stop_token_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        proposer = proposer or MedusaProposer(self.heads, self.tree, self.lm_head_weight)
+        proposer = proposer or self.make_proposer()
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance)
         return speculative_generate(self.model, proposer, input_ids, max_new_tokens, sampling, stop_token_ids,
                                     generator, on_tokens)

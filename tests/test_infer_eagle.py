@@ -1,0 +1,149 @@
+"""EAGLE drafting at inference: greedy exactness, the draft's cache and tree inputs, loading, tree sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from heads.eagle import EagleDraft, eagle_config_for
+from heads.target import fingerprint
+from inference.eagle import EagleProposer, dynamic_config_from_choices
+from inference.generate import DraftInput, Speculator, SpeculatorError, speculative_generate, target_forward
+from inference.tree import DynamicTreeConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+VOCAB = 128
+
+
+def make_draft(model, method: str, seed: int = 0) -> EagleDraft:
+    torch.manual_seed(seed)
+    draft = EagleDraft(eagle_config_for(model, method, draft_vocab_size=VOCAB // 2 if method == "eagle3" else 0,
+                                        target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
+    if method == "eagle3":
+        draft.set_draft_vocab(torch.arange(1, VOCAB, 2))  # odd target ids only
+    return draft.eval()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_output_equals_generate(model_type, method):
+    model = tiny_model(model_type, num_hidden_layers=4, seed=3)
+    draft = make_draft(model, method)
+    eos = model.generation_config.eos_token_id
+    stops = [] if eos is None else [eos]
+    gen = torch.Generator().manual_seed(0)
+    for i in range(6):
+        prompt = torch.randint(3, VOCAB, (1, 6 + i), generator=gen)
+        ref = model.generate(prompt, max_new_tokens=48, do_sample=False)[0, prompt.shape[1]:].tolist()
+        proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=3, depth=3, total_tokens=10))
+        out = speculative_generate(model, proposer, prompt, 48, stop_token_ids=stops)
+        assert out.tokens == ref
+
+
+def _chain_outputs(draft: EagleDraft, model, context: list[int], taps: torch.Tensor, chain: list[int]) -> torch.Tensor:
+    """Brute force: run the draft from scratch over the true pairs, then feed its own outputs along `chain`
+    (tokens after the root); returns the outputs [1 + len(chain), h] of the root pair and each chain node."""
+    embed = model.get_input_embeddings()
+    n = taps.shape[0]
+    feats = draft.fuse(taps)  # [n, h]
+    tokens = torch.tensor(context[1: n + 1])
+    outs = draft(embed(tokens)[None], feats[None], torch.arange(n)[None])[0]  # causal
+    result = [outs[-1]]
+    seq_feats, seq_tokens = list(feats), tokens.tolist()
+    for tok in chain:
+        seq_feats.append(result[-1])
+        seq_tokens.append(tok)
+        length = len(seq_tokens)
+        out = draft(embed(torch.tensor(seq_tokens))[None], torch.stack(seq_feats)[None], torch.arange(length)[None])[0]
+        result.append(out[-1])
+    return torch.stack(result)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_tree_nodes_see_exactly_their_ancestors(method):
+    model = tiny_model("llama", num_hidden_layers=4, seed=1)
+    draft = make_draft(model, method, seed=2)
+    context = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    _, _, taps = target_forward(model, torch.tensor([context[:-1]]), _cache(), feature_layers=draft.config.feature_layers)
+    proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=3, depth=3, total_tokens=16))
+    with torch.no_grad():
+        proposer(DraftInput(hidden=taps[-1], root=context[-1], context=context, features=taps))
+        tokens_by_node, parents = proposer.node_tokens, proposer.node_parents
+        checked = 0
+        for node, out in proposer.node_outputs.items():
+            chain = []
+            walk = node
+            while walk > 0:
+                chain.append(tokens_by_node[walk])
+                walk = parents[walk]
+            expected = _chain_outputs(draft, model, context, taps, chain[::-1])[-1]
+            torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+            checked += 1
+        assert checked >= 7  # root, 3 children, and deeper nodes
+        assert proposer.cache.get_seq_length() == len(context) - 1  # tree entries dropped again
+
+
+def test_committed_cache_is_built_from_true_features_only():
+    """After several decode steps the draft cache equals a from-scratch run over (f_s, x_{s+1}) pairs."""
+    model = tiny_model("qwen2", num_hidden_layers=4, seed=4)
+    draft = make_draft(model, "eagle3", seed=1)
+    prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+    proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=2, depth=3, total_tokens=6))
+    out = speculative_generate(model, proposer, prompt, 20, stop_token_ids=[])
+    context = prompt[0].tolist() + out.tokens
+    n = proposer.committed
+    _, _, taps = target_forward(model, torch.tensor([context[:n]]), _cache(), feature_layers=draft.config.feature_layers)
+    fresh = _cache()
+    with torch.no_grad():
+        draft(model.get_input_embeddings()(torch.tensor(context[1: n + 1]))[None], draft.fuse(taps)[None],
+              torch.arange(n)[None], None if n == 0 else _causal(n), fresh)
+    for got, want in zip(proposer.cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values, want.values, atol=2e-5, rtol=1e-4)
+
+
+def _cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _causal(n: int) -> torch.Tensor:
+    from heads.eagle import causal_mask
+
+    return causal_mask(n, torch.float32)
+
+
+def test_speculator_loads_eagle_dirs_and_refuses_another_target(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=4, seed=0)
+    for method in ("eagle", "eagle3"):
+        draft = make_draft(model, method)
+        draft.save_pretrained(tmp_path / method)
+        spec = Speculator.from_pretrained(str(tmp_path / method), target=model, tree="default")
+        assert spec.is_eagle and spec.heads.config.method == method
+        prompt = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(0))
+        ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 10:].tolist()
+        assert spec.generate(prompt, 24).tokens == ref
+        spec.set_tree(DynamicTreeConfig(topk=2, depth=2, total_tokens=5))
+        assert spec.tree_size == 5
+    other = tiny_model("llama", num_hidden_layers=4, seed=9)
+    with pytest.raises(SpeculatorError, match="fingerprint"):
+        Speculator.from_pretrained(str(tmp_path / "eagle3"), target=other)
+
+
+def test_auto_tree_is_timed_with_the_eagle_draft(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=4, seed=0)
+    make_draft(model, "eagle3").save_pretrained(tmp_path)
+    spec = Speculator.from_pretrained(str(tmp_path), target=model, tree="default")
+    calib = spec.calibrate(sizes=(1, 4, 8), prefix_len=32, repeats=1)
+    assert spec.dynamic == dynamic_config_from_choices(calib.choices)
+    assert spec.tree_size == len(calib.choices) + 1 and (tmp_path / "tree.json").is_file()
+    again = Speculator.from_pretrained(str(tmp_path), target=model)  # reads tree.json
+    assert again.dynamic == spec.dynamic
+
+
+def test_dynamic_config_from_choices():
+    assert dynamic_config_from_choices([]) == DynamicTreeConfig(topk=1, depth=0, total_tokens=1)
+    assert dynamic_config_from_choices([[0], [1], [0, 0], [0, 0, 0]]) == DynamicTreeConfig(topk=2, depth=3, total_tokens=5)
