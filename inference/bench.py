@@ -336,7 +336,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
         forwards, tau = None, None
     else:
         forwards = sum(r.decode_forwards for r in runs)
-        tau = _ratio(tokens, forwards)
+        tau = _ratio(tokens - sum(1 for r in runs if r.tokens), forwards)  # the prefill's token is not a decode token
     speedup = _ratio(tps, vanilla_tps)
     draft = None if any(r.draft_s is None for r in runs) else sum(r.draft_s for r in runs)
     verify = sum(r.verify_s for r in runs)

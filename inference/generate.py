@@ -193,8 +193,8 @@ class GenerateStats:
 
     @property
     def tau(self) -> float:
-        """Tokens generated per decode-phase target forward (bonus included, prefill excluded)."""
-        return self.new_tokens / self.decode_forwards if self.decode_forwards else float("nan")
+        """Tokens generated per decode-phase target forward (bonus included; the prefill and its token excluded)."""
+        return (self.new_tokens - 1) / self.decode_forwards if self.decode_forwards else float("nan")
 
     @property
     def tokens_per_s(self) -> float:

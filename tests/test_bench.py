@@ -97,7 +97,7 @@ def test_results_have_every_figure_for_every_method(results):
         total = sum(p["runs"][name]["new_tokens"] for p in res["prompts"])
         forwards = sum(p["runs"][name]["decode_forwards"] for p in res["prompts"])
         assert m["new_tokens"] == total and m["decode_forwards"] == forwards
-        assert m["tau"] == pytest.approx(total / forwards)
+        assert m["tau"] == pytest.approx((total - len(res["prompts"])) / forwards)  # prefill's token excluded
         assert sum(m["accept_hist"]) == forwards
         cost = m["cost_model"]
         assert cost["predicted_speedup"] == pytest.approx(
@@ -121,7 +121,7 @@ def test_heads_tau_matches_the_speculator_stats(results, setup, tiny_target_dir)
         assert out.stats.decode_forwards == record["runs"]["a/heads"]["decode_forwards"]
         assert out.stats.new_tokens == record["runs"]["a/heads"]["new_tokens"]
         tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.decode_forwards
-    assert res["methods"]["a/heads"]["tau"] == pytest.approx(tokens / forwards)
+    assert res["methods"]["a/heads"]["tau"] == pytest.approx((tokens - len(PROMPTS)) / forwards)
 
 
 def test_category_breakdown_and_reports(results, capsys):

@@ -160,7 +160,7 @@ def test_max_new_tokens_is_exact_and_stats_consistent():
         emitted = 1 + sum((a + 1) * c for a, c in enumerate(s.accept_hist))
         assert emitted >= n and (s.decode_forwards == 0 or emitted - n <= tree.max_depth)
         if s.decode_forwards:
-            assert s.tau == pytest.approx(n / s.decode_forwards)
+            assert s.tau == pytest.approx((n - 1) / s.decode_forwards)  # the prefill's token is not counted
 
 
 def test_untrained_heads_give_tau_close_to_one():
@@ -170,7 +170,7 @@ def test_untrained_heads_give_tau_close_to_one():
     out = spec.generate(prompt, 128, stop_token_ids=[])
     # 128 tokens: 1 from the prefill + at least one per decode forward; random heads rarely hit
     assert out.stats.decode_forwards >= 110
-    assert 1.0 < out.stats.tau < 1.2
+    assert 1.0 <= out.stats.tau < 1.2
     assert out.stats.draft_s > 0 and out.stats.verify_s > 0
 
 

@@ -27,4 +27,4 @@ def test_trained_heads_are_exact_on_20_heldout_prompts(embedded_target):
         assert out.tokens == ref.tolist(), row.id
         forwards += out.stats.decode_forwards
         tokens += out.stats.new_tokens
-    assert tokens / forwards > 1.3  # trained heads do get tokens accepted (tau on held-out chat)
+    assert (tokens - 20) / forwards > 1.3  # trained heads do get tokens accepted (tau on held-out chat)
