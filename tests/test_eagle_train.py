@@ -1,0 +1,331 @@
+"""train/eagle.py on tiny random targets (4 layers, so the EAGLE-3 taps are distinct): feature taps, the
+training-time-test mask against an inference-style chain, the draft vocabulary, learning, exact resume,
+2-process equivalence, the offline feature cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from heads.eagle import EagleDraft, eagle_config_for, load_eagle_draft, most_frequent_tokens
+from heads.target import load_target
+from conftest import tiny_chat_tokenizer, tiny_model
+from train.config import ConfigError, parse_config
+from train.eagle import (EagleTrainConfig, FeatureSource, check_config, draft_loss, init_from_target, main,
+                         prepare_batch, step_valid, supervised_token_counts, target_features, unroll)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_target_dir(path: Path, model_type: str) -> Path:
+    """A saved 4-layer target with a peaked lm_head (so its greedy text and its distributions are learnable)."""
+    tokenizer = tiny_chat_tokenizer()
+    model = tiny_model(model_type, vocab_size=len(tokenizer), num_hidden_layers=4, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_greedy_selfdistilled(path: Path, target_dir: Path, num_rows: int = 12, eval_copies: int = 4) -> Path:
+    """Self-distilled rows the way train/selfdistill.py writes them: random user tokens (mask 0), then the target's
+    own greedy continuation (mask 1). The last `eval_copies` rows repeat the first ones, so the held-out metrics
+    measure how well the draft fits its training rows."""
+    model, tokenizer, info = load_target(str(target_dir))
+    rng = random.Random(0)
+    rows = []
+    for i in range(num_rows):
+        user = [rng.randrange(4, info.vocab_size) for _ in range(rng.randrange(3, 8))]
+        ids = torch.tensor([user])
+        n = rng.randrange(8, 16)
+        with torch.no_grad():
+            for _ in range(n):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        rows.append({"id": f"r{i}", "input_ids": ids[0].tolist(), "loss_mask": [0] * len(user) + [1] * n})
+    rows += [dict(rows[i], id=f"copy{i}") for i in range(eval_copies)]
+    path.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows).save_to_disk(str(path / "dataset"))
+    (path / "meta.json").write_text(json.dumps({"target": info.to_dict(), "rows": len(rows)}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_target_dir(tmp_path_factory.mktemp("llama4"), "llama")
+
+
+@pytest.fixture(scope="module")
+def sd_dir(llama_dir, tmp_path_factory):
+    return write_greedy_selfdistilled(tmp_path_factory.mktemp("sd"), llama_dir)
+
+
+def args(target_dir, data_dir, out, method="eagle3", *extra) -> list[str]:
+    base = ["--target", str(target_dir), "--data_dir", str(data_dir), "--output_dir", str(out), "--method", method,
+            "--per_device_batch_size", "2", "--eval_rows", "4", "--learning_rate", "3e-3", "--seed", "0"]
+    if method == "eagle3":
+        base += ["--feature_layers", "1", "2", "3", "--draft_vocab_size", "64", "--ttt_steps", "3"]
+    return base + [str(e) for e in extra]
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "heads" / "model.safetensors")
+
+
+def train_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------------
+# pieces
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_feature_taps_are_hf_hidden_states(model_type, one_thread):
+    model = tiny_model(model_type, num_hidden_layers=4)
+    ids = torch.randint(0, 128, (2, 9))
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0  # right padding
+    taps, final = target_features(model, ids, attn, [0, 2, 3])
+    hidden = model(ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    h = model.config.hidden_size
+    for k, i in enumerate([0, 2, 3]):
+        torch.testing.assert_close(taps[..., k * h : (k + 1) * h], hidden[i], rtol=0, atol=0)
+    torch.testing.assert_close(final, hidden[4], rtol=0, atol=0)  # final-norm output: the logits come from it
+    torch.testing.assert_close(final @ model.lm_head.weight.t(), model(ids, attention_mask=attn).logits)
+
+
+def inference_chain(draft: EagleDraft, embeds: torch.Tensor, feats: torch.Tensor, root: int, depth: int) -> torch.Tensor:
+    """What a tree node at `depth` below root position `root` gets at inference: the true prefix 0..root run causally
+    (depth 1 is its last output), then one token at a time, each fed the previous output, attending to all so far."""
+    cache = DynamicCache()
+    out = draft(embeds[:, : root + 1], feats[:, : root + 1], torch.arange(root + 1)[None], None, cache)[:, -1:]
+    for d in range(1, depth):
+        p = root + d
+        out = draft(embeds[:, p : p + 1], out, torch.tensor([[p]]), torch.zeros(1, 1, 1, p + 1), cache)
+    return out[0, 0]
+
+
+@pytest.mark.parametrize("model_type,method", [("llama", "eagle3"), ("qwen2", "eagle3"), ("llama", "eagle")])
+def test_unrolled_steps_equal_the_inference_chain(model_type, method, one_thread):
+    """Step i at t (padded batch) == the chain rooted at t - i run as inference does, for every valid t."""
+    model = tiny_model(model_type, num_hidden_layers=4)
+    draft = EagleDraft(eagle_config_for(model, method, feature_layers=[1, 2, 3] if method == "eagle3" else None)).eval()
+    torch.manual_seed(1)
+    B, T, h, steps = 2, 11, model.config.hidden_size, 4
+    embeds = torch.randn(B, T, h)
+    feats = draft.fuse(torch.randn(B, T, len(draft.config.feature_layers) * h))
+    lengths = [T, 8]
+    key_valid = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
+    with torch.no_grad():
+        outs = unroll(draft, embeds, feats, key_valid, steps)
+        for b, n in enumerate(lengths):
+            for i in range(steps):
+                for t in range(i, n):
+                    want = inference_chain(draft, embeds[b : b + 1, :n], feats[b : b + 1, :n], t - i, i + 1)
+                    torch.testing.assert_close(outs[i][b, t], want, atol=1e-5, rtol=1e-5)
+
+
+def test_draft_vocab_and_restricted_loss(llama_dir, sd_dir, one_thread):
+    target, tokenizer, info = load_target(str(llama_dir))
+    rows = [dict(r) for r in datasets.load_from_disk(str(sd_dir / "dataset")).select_columns(["input_ids", "loss_mask"])]
+    counts = supervised_token_counts(rows, info.vocab_size)
+    brute = torch.zeros(info.vocab_size, dtype=torch.long)
+    for r in rows:
+        for tok, m in zip(r["input_ids"], r["loss_mask"]):
+            brute[tok] += m
+    assert torch.equal(counts, brute)
+    cfg = check_config(parse_config(EagleTrainConfig, ["--ttt_steps", "2", "--draft_vocab_size", "16"]))
+    batch = {"input_ids": torch.tensor([rows[0]["input_ids"]]), "attention_mask": torch.ones(1, len(rows[0]["input_ids"]), dtype=torch.long),
+             "loss_mask": torch.tensor([rows[0]["loss_mask"]]), "rows": torch.tensor([0])}
+    full_logits = target(batch["input_ids"]).logits[0]  # [T, V]
+    for k in (16, info.vocab_size):
+        draft = EagleDraft(eagle_config_for(target, "eagle3", k, [1, 2, 3]))
+        ids = most_frequent_tokens(counts, k)
+        draft.set_draft_vocab(ids)
+        assert torch.equal(draft.to_target_ids(torch.arange(k)), ids)  # every d2t entry: draft id -> its target id
+        assert torch.equal(torch.nonzero(draft.t2d).squeeze(-1), ids)
+        if k < info.vocab_size:  # the k most frequent (ties by id)
+            assert counts[ids].min() >= counts[~draft.t2d].max()
+        init_from_target(draft, target, layer=False)
+        torch.testing.assert_close(draft.lm_head.weight, target.lm_head.weight[ids], rtol=0, atol=0)
+        prep = prepare_batch(batch, FeatureSource(target, rows, [1, 2, 3]), target, draft, cfg, 0, step=None)
+        t = prep["t_index"]
+        want_probs = torch.softmax(full_logits[t + 1][:, ids], -1)
+        torch.testing.assert_close(prep["probs"], want_probs)
+        assert torch.equal(prep["in_vocab"], draft.t2d[full_logits[t + 1].argmax(-1)])
+        with torch.no_grad():
+            outs = torch.stack(unroll(draft, prep["embeds"], draft.fuse(prep["taps"]), prep["key_valid"], 2))[:, prep["select"]]
+            logits = draft.logits(outs)
+            valid = step_valid(prep, 2)
+            loss, parts = draft_loss(outs, logits, prep, valid, valid.sum(-1).float(), cfg, draft)
+        if k == info.vocab_size:  # the full draft vocabulary: the plain soft cross-entropy against the target
+            assert prep["in_vocab"].all()
+            plain = [-(torch.softmax(full_logits[t + 1], -1) * F.log_softmax(logits[i], -1)).sum(-1)[t >= i].mean()
+                     for i in range(2)]
+            torch.testing.assert_close(loss, plain[0] + 0.8 * plain[1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# end to end
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, method, one_thread):
+    """12 rows, held-out rows = copies of 4 of them: the draft fits its rows (a real margin), heads dir round-trips."""
+    metrics = main(args(llama_dir, sd_dir, tmp_path, method, "--num_epochs", "10"))
+    log = train_log(tmp_path)
+    first, last = log[:6], log[-6:]  # one epoch each: the same rows
+    mean = lambda recs, key: sum(r[key] if key == "loss" else r[key][0] for r in recs) / len(recs)  # noqa: E731
+    assert mean(last, "loss") < 0.5 * mean(first, "loss")
+    assert mean(first, "acc") < 0.1 and mean(last, "acc") > 0.5
+    assert metrics["top1"][0] > 0.5 and metrics["target_top1"] == 1.0  # greedy data: the target's own argmax
+    assert len(metrics["top1"]) == 3 and len(metrics["rank_accuracy"]) == 3
+    for d in range(3):
+        assert abs(sum(metrics["rank_accuracy"][d][:5]) - metrics["top5"][d]) < 1e-3
+        assert metrics["rank_accuracy"][d][0] == pytest.approx(metrics["top1"][d], abs=1e-3)
+    assert 0 < metrics["chain_accepted_tokens"] <= 3
+    heads_dir = tmp_path / "heads"
+    assert {"config.json", "model.safetensors", "README.md", "metrics.json"} <= {p.name for p in heads_dir.iterdir()}
+    assert json.loads((heads_dir / "metrics.json").read_text())["top1"] == metrics["top1"]
+    _, _, info = load_target(str(llama_dir))
+    draft = load_eagle_draft(heads_dir, info)
+    assert draft.config.method == method and info.fingerprint in (heads_dir / "README.md").read_text()
+    if method == "eagle3":
+        assert draft.config.draft_vocab_size == 64 and int(draft.t2d.sum()) == 64
+        assert 0 < metrics["draft_vocab_coverage"] <= 1
+    else:
+        assert "feature_loss" in log[0] and log[-1]["feature_loss"][0] < log[0]["feature_loss"][0]
+
+
+def test_qwen2_target_and_layer_init(tmp_path, one_thread):
+    target_dir = make_target_dir(tmp_path / "qwen", "qwen2")
+    sd = write_greedy_selfdistilled(tmp_path / "sd", target_dir, num_rows=8)
+    metrics = main(args(target_dir, sd, tmp_path / "out", "eagle3", "--max_steps", "3", "--init_layer_from_target", "true"))
+    target, _, info = load_target(str(target_dir))
+    draft = load_eagle_draft(tmp_path / "out" / "heads", info)
+    assert metrics["steps"] == 3 and draft.config.layer_config["model_type"] == "qwen2"
+    fresh = EagleDraft(draft.config)
+    fresh.set_draft_vocab(torch.nonzero(draft.t2d).squeeze(-1))
+    names = init_from_target(fresh, target, layer=True)
+    last = target.model.layers[-1]
+    h = info.hidden_size
+    assert {"layers.0.mlp.down_proj.weight", "layers.0.self_attn.q_proj.bias", "layers.0.self_attn.q_proj.weight"} <= set(names)
+    torch.testing.assert_close(fresh.layers[0].mlp.down_proj.weight, last.mlp.down_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.layers[0].self_attn.k_proj.weight[:, h:], last.self_attn.k_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(fresh.norm.weight, target.model.norm.weight, rtol=0, atol=0)
+
+
+def test_resume_is_exact(llama_dir, sd_dir, tmp_path, one_thread):
+    """Killed after step 5 (checkpoints every 2), resumed: bit-identical weights to an uninterrupted run (noise on)."""
+    common = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2", "--feature_noise", "0.05"]
+    main(args(llama_dir, sd_dir, tmp_path / "full", "eagle3", *common))
+    main(args(llama_dir, sd_dir, tmp_path / "cut", "eagle3", *common, "--stop_after_steps", "5"))
+    assert not (tmp_path / "cut" / "heads").exists()
+    assert sorted(p.name for p in (tmp_path / "cut" / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    main(args(llama_dir, sd_dir, tmp_path / "cut", "eagle3", *common, "--resume", "true"))
+    full, resumed = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    assert full.keys() == resumed.keys()
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    assert [r["step"] for r in train_log(tmp_path / "cut")] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
+    assert [r["loss"] for r in train_log(tmp_path / "full")][4:] == [r["loss"] for r in train_log(tmp_path / "cut")][5:]
+
+
+def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path):
+    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights (noise on)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    common = ["--max_steps", "4", "--feature_noise", "0.05"]
+
+    def start(launcher: list[str], out: Path, batch: int) -> subprocess.Popen:
+        argv = args(llama_dir, sd_dir, out, "eagle3", *common)
+        argv[argv.index("--per_device_batch_size") + 1] = str(batch)
+        return subprocess.Popen([*launcher, str(REPO / "train" / "eagle.py"), *argv], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    runs = [start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", "29519"], tmp_path / "two", 1),
+            start([sys.executable], tmp_path / "one", 2)]  # side by side: most of their time is start-up
+    for proc in runs:
+        output, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, output[-3000:]
+    one, two = train_log(tmp_path / "one"), train_log(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["ce"] == pytest.approx(b["ce"], rel=1e-5)
+    m1 = json.loads((tmp_path / "one" / "heads" / "metrics.json").read_text())
+    m2 = json.loads((tmp_path / "two" / "heads" / "metrics.json").read_text())
+    assert m1["global_batch"] == m2["global_batch"] == 2 and m1["eval_positions"] == m2["eval_positions"]
+    w1, w2 = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for name in w1:
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4)
+
+
+def test_offline_feature_cache(llama_dir, sd_dir, tmp_path, capsys, one_thread):
+    """Written once with a size estimate, reused, resumed after an interrupted write; training from it == online."""
+    cache = tmp_path / "cache"
+    common = ["--max_steps", "4", "--feature_noise", "0.05"]
+    with_cache = ["--feature_cache_dir", cache, "--feature_cache_shard_rows", "5"]
+    main(args(llama_dir, sd_dir, tmp_path / "online", "eagle3", *common))
+    main(args(llama_dir, sd_dir, tmp_path / "disk", "eagle3", *common, *with_cache))
+    out = capsys.readouterr().out
+    meta = json.loads((cache / "cache.json").read_text())
+    tokens, dim = meta["identity"]["tokens"], 64 * 3 + 64  # 3 taps + the final hidden state, fp32
+    assert meta["bytes_estimate"] == tokens * dim * 4 and f"{tokens * dim * 4 / 2**20:.1f} MiB" in out
+    shards = sorted(cache.glob("shard-*.safetensors"))
+    assert len(shards) == 4 and "4 to write" in out  # 16 rows (12 train + 4 held out), 5 per shard
+    assert sum(p.stat().st_size for p in shards) == pytest.approx(meta["bytes_estimate"], rel=0.05)
+    online, disk = weights(tmp_path / "online"), weights(tmp_path / "disk")
+    for name in online:
+        torch.testing.assert_close(disk[name], online[name], atol=1e-5, rtol=1e-4)
+    # interrupted write: one shard missing, a partial temporary file left behind -> only that shard is written again
+    before = {p.name: p.stat().st_mtime_ns for p in shards}
+    content = shards[1].read_bytes()
+    shards[1].unlink()
+    shards[1].with_suffix(".tmp").write_bytes(b"partial")
+    main(args(llama_dir, sd_dir, tmp_path / "x", "eagle3", *common, *with_cache, "--build_cache_only", "true"))
+    assert "1 to write" in capsys.readouterr().out
+    assert shards[1].read_bytes() == content and not shards[1].with_suffix(".tmp").exists()
+    assert all(p.stat().st_mtime_ns == before[p.name] for p in (shards[0], *shards[2:]))
+    # memory cache: the same per-row features, so exactly the disk run's weights
+    main(args(llama_dir, sd_dir, tmp_path / "memory", "eagle3", *common, "--feature_cache", "true"))
+    memory = weights(tmp_path / "memory")
+    assert all(torch.equal(memory[n], disk[n]) for n in disk)
+    with pytest.raises(ConfigError, match="feature_layers"):  # a cache written for other taps is refused
+        main(args(llama_dir, sd_dir, tmp_path / "y", "eagle3", *common, *with_cache, "--feature_layers", "0", "2", "4"))
+
+
+def test_every_eagle_recipe_parses():
+    recipes = sorted((REPO / "recipes").glob("*/eagle*.yaml"))
+    assert {r.parent.name for r in recipes} >= {"smollm2-135m", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct"}
+    for recipe in recipes:
+        assert recipe.read_text().startswith("#") and "train/eagle.py" in recipe.read_text().splitlines()[1]
+        cfg = check_config(parse_config(EagleTrainConfig, ["--config", str(recipe)]))
+        assert cfg.method == ("eagle3" if recipe.stem == "eagle3" else "eagle")
+
+
+def test_bad_configs_fail(tmp_path):
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        check_config(parse_config(EagleTrainConfig, ["--method", "eagle", "--draft_vocab_size", "100"]))
+    with pytest.raises(ConfigError, match="method"):
+        check_config(parse_config(EagleTrainConfig, ["--method", "eagle2"]))
+    with pytest.raises(ConfigError, match="exclude"):
+        check_config(parse_config(EagleTrainConfig, ["--feature_cache", "true", "--feature_cache_dir", str(tmp_path)]))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("method: eagle3\nttt_step: 3\n")
+    with pytest.raises(ConfigError, match="ttt_step"):
+        main(["--config", str(recipe)])
