@@ -6,11 +6,12 @@ import pytest
 import yaml
 
 from train.config import parse_config
+from train.eagle import EagleTrainConfig
 from train.medusa import MedusaTrainConfig
 from train.selfdistill import SelfDistillConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig}
+SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig, "eagle": EagleTrainConfig}
 
 
 def script_recipes():
@@ -18,7 +19,7 @@ def script_recipes():
 
 
 def config_class(path: Path):
-    stem = path.stem.rstrip("0123456789")  # medusa2.yaml -> medusa
+    stem = path.stem.rstrip("0123456789")  # medusa2.yaml -> medusa, eagle3.yaml -> eagle
     if stem not in SCRIPT_CONFIGS:
         pytest.fail(f"{path}: no script config known for recipes named {path.stem!r}")
     return SCRIPT_CONFIGS[stem]
