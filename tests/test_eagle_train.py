@@ -214,7 +214,9 @@ def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, method, 
 def test_qwen2_target_and_layer_init(tmp_path, one_thread):
     target_dir = make_target_dir(tmp_path / "qwen", "qwen2")
     sd = write_greedy_selfdistilled(tmp_path / "sd", target_dir, num_rows=8)
-    metrics = main(args(target_dir, sd, tmp_path / "out", "eagle3", "--max_steps", "3", "--init_layer_from_target", "true"))
+    metrics = main(args(target_dir, sd, tmp_path / "out", "eagle3", "--max_steps", "3", "--init_layer_from_target", "true",
+                        "--report_to", "tensorboard", "--log_every", "1"))
+    assert list((tmp_path / "out").rglob("events.out.tfevents.*"))
     target, _, info = load_target(str(target_dir))
     draft = load_eagle_draft(tmp_path / "out" / "heads", info)
     assert metrics["steps"] == 3 and draft.config.layer_config["model_type"] == "qwen2"

@@ -344,10 +344,12 @@ class UnrolledDraft(nn.Module):
     def forward(self, embeds: torch.Tensor, taps: torch.Tensor, key_valid: torch.Tensor, select: torch.Tensor,
                 steps: int, lm_head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> outputs [S, N, h] and logits [S, N, draft_vocab] at the N positions of `select` [B, T] (bool)."""
-        dtype = self.draft.fc.weight.dtype
+        dtype = self.draft.fc.weight.dtype  # the target's features and embeddings may be bf16
         outs = unroll(self.draft, embeds.to(dtype), self.draft.fuse(taps.to(dtype)), key_valid, steps)
         selected = torch.stack([o[select] for o in outs])  # [S, N, h]
-        return selected, self.draft.logits(selected, lm_head_weight)
+        if lm_head_weight is None:
+            return selected, self.draft.logits(selected)
+        return selected, self.draft.logits(selected.to(lm_head_weight.dtype), lm_head_weight)  # EAGLE-1: the target's
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -666,7 +668,8 @@ def main(argv: list[str] | None = None) -> dict:
             step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
             log(f"resumed from {ckpt} (step {step})")
     if cfg.report_to != "none":
-        accelerator.init_trackers(f"headstart-{cfg.method}", config={k: (v if v is not None else "") for k, v in asdict(cfg).items()},
+        hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
+        accelerator.init_trackers(f"headstart-{cfg.method}", config=hparams,
                                   init_kwargs={"wandb": {"dir": str(output_dir)}} if cfg.report_to == "wandb" else {})
 
     # 7. train
