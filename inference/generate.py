@@ -36,7 +36,10 @@ from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, Tree, best_choi
 from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 TREE_FILE = "tree.json"
-DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=12)  # small: verification is costly on CPU
+# Tree sizes timed by `--tree auto`. The small ones matter on CPUs, where a forward over 2-3 tokens costs little more
+# than one (measured here, 300-token cache: 1/2/3/4/8 tokens = 49/55/58/75/92 ms) but 4+ tokens cost much more.
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
 
 
 class SpeculatorError(ValueError):
@@ -411,7 +414,7 @@ def _time_ms(fn: Callable[[], None]) -> float:
 
 @torch.no_grad()
 def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Sequence[Sequence[float]] | None = None,
-                   sizes: Sequence[int] = (1, 4, 8, 16, 32, 64), prefix_len: int = 256, repeats: int = 3,
+                   sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256, repeats: int = 3,
                    lm_head_weight: torch.Tensor | None = None,
                    draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None) -> TreeCalibration:
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time).
@@ -671,7 +674,7 @@ class Speculator:
         else:
             self.tree = tree_from_choices(choices)
 
-    def calibrate(self, sizes: Sequence[int] = (1, 4, 8, 16, 32, 64), prefix_len: int = 256,
+    def calibrate(self, sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256,
                   repeats: int = 3) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
