@@ -126,11 +126,28 @@ def embedded_local_dir() -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target_dir.parent, prefix=".tmp-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if not (tmp / "config.json").is_file() or not any(tmp.glob("*.safetensors")):
+        # transformers writes model files only on rank 0 of an initialised process group: wait for its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _wait_for(target_dir / "config.json", timeout_s=900)
     try:
         os.replace(tmp, target_dir)  # atomic: a concurrent process may have won the race
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return target_dir
+
+
+def _wait_for(file: Path, timeout_s: float) -> Path:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not file.is_file():
+        if time.monotonic() > deadline:
+            raise TargetLoadError(f"waited {timeout_s:.0f} s for another process to write {file.parent}; run once in "
+                                  "a single process (python -c \"from heads.target import load_target; "
+                                  "load_target('smollm2-135m')\") and relaunch")
+        time.sleep(1.0)
+    return file.parent
 
 
 def load_target(
