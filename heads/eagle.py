@@ -22,6 +22,7 @@ Tensor names follow vLLM's loaders: `fc.*`, `layers.0.*` (the decoder layer; `hi
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from dataclasses import dataclass, field, fields
@@ -126,6 +127,9 @@ class EagleDraft(nn.Module, PyTorchModelHubMixin, library_name="headstart", tags
             self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool) if config.draft_vocab_size ==
                                  config.vocab_size else torch.zeros(config.vocab_size, dtype=torch.bool))
         self.layers = nn.ModuleList([layer])
+        # the attention's cache argument: `cache` in transformers >= 5.2x, `past_key_values` before
+        params = inspect.signature(type(layer.self_attn).forward).parameters
+        self._cache_arg = next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), "cache")
 
     @property
     def is_eagle3(self) -> bool:
@@ -151,7 +155,7 @@ class EagleDraft(nn.Module, PyTorchModelHubMixin, library_name="headstart", tags
             residual = x
         position_embeddings = self.rotary_emb(residual, position_ids=position_ids)
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
-                                  attention_mask=attention_mask, cache=cache)
+                                  attention_mask=attention_mask, **{self._cache_arg: cache})
         x = residual + attn
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
