@@ -35,7 +35,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from heads.medusa import CONFIG_NAME, WEIGHTS_NAME, HeadsLoadError, check_target, resolve_heads_dir
+from heads.medusa import CONFIG_NAME, HeadsLoadError, check_target, load_weights, resolve_heads_dir
 
 METHODS = ("eagle", "eagle3")
 
@@ -219,26 +219,11 @@ def read_eagle_config(heads_dir: Path) -> EagleConfig:
 def load_eagle_draft(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
                      device: str | torch.device = "cpu") -> EagleDraft:
     """Load an EAGLE-1/3 draft from a local directory or Hub id; with `target_info`, refuse another target's."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     config = read_eagle_config(heads_dir)
     if target_info is not None:
         check_target(config, target_info, where=f"the EAGLE draft in {dir_or_id}")
-    weights = heads_dir / WEIGHTS_NAME
-    if not weights.is_file():
-        raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the draft's weights are missing (interrupted save or upload?)")
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the draft") from err
-    draft = EagleDraft(config)
-    try:
-        draft.load_state_dict(state, strict=True)
-    except RuntimeError as err:
-        raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {str(err).splitlines()[0]}") from err
-    return draft.to(device).eval()
+    return load_weights(EagleDraft(config), heads_dir).to(device).eval()
 
 
 def heads_method(dir_or_id: str | Path, revision: str | None = None) -> str:

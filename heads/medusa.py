@@ -174,26 +174,30 @@ def load_medusa_heads(
 
     For Medusa-2 heads (`config.adapter`), the target must have the adapter in `adapter/` merged: use `load_medusa`.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     config = read_medusa_config(heads_dir)
     if target_info is not None:
         check_target(config, target_info, where=f"the heads in {dir_or_id}")
+    return load_weights(MedusaHeads(config), heads_dir).to(device).eval()
+
+
+def load_weights(module: nn.Module, heads_dir: Path) -> nn.Module:
+    """Load heads_dir/model.safetensors into `module` (strict); HeadsLoadError names a missing/corrupt/mismatched file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     weights = heads_dir / WEIGHTS_NAME
     if not weights.is_file():
-        raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the heads' weights are missing (interrupted save or upload?)")
+        raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the weights are missing (interrupted save or upload?)")
     try:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as err:
         raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the heads") from err
-    heads = MedusaHeads(config)
     try:
-        heads.load_state_dict(state, strict=True)
+        module.load_state_dict(state, strict=True)
     except RuntimeError as err:
         raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {str(err).splitlines()[0]}") from err
-    return heads.to(device).eval()
+    return module
 
 
 def load_medusa(
