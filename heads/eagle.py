@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from heads.medusa import CONFIG_NAME, HeadsLoadError, check_target, load_weights, resolve_heads_dir
+from heads.medusa import CONFIG_NAME, HeadsLoadError, check_target, load_weights, read_heads_config, resolve_heads_dir
 
 METHODS = ("eagle", "eagle3")
 
@@ -198,22 +198,7 @@ def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
 # Loading a draft directory (local path or Hub id): config.json, model.safetensors
 
 def read_eagle_config(heads_dir: Path) -> EagleConfig:
-    file = heads_dir / CONFIG_NAME
-    if not file.is_file():
-        raise HeadsLoadError(f"{heads_dir} has no {CONFIG_NAME}: not a heads directory written by headstart")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise HeadsLoadError(f"{file} is not valid JSON ({err})") from err
-    if not isinstance(raw, dict) or raw.get("method") not in METHODS:
-        raise HeadsLoadError(f"{file} does not describe an EAGLE draft (method={raw.get('method') if isinstance(raw, dict) else None!r})")
-    unknown = sorted(set(raw) - {f.name for f in fields(EagleConfig)})
-    if unknown:
-        raise HeadsLoadError(f"{file} has unknown key(s) {unknown}: written by a newer headstart?")
-    try:
-        return EagleConfig(**raw)
-    except (TypeError, ValueError) as err:
-        raise HeadsLoadError(f"{file}: {err}") from err
+    return read_heads_config(heads_dir, EagleConfig, METHODS, "an EAGLE draft")
 
 
 def load_eagle_draft(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,

@@ -125,7 +125,8 @@ def resolve_heads_dir(dir_or_id: str | Path, revision: str | None = None) -> Pat
         ) from err
 
 
-def read_medusa_config(heads_dir: Path) -> MedusaConfig:
+def read_heads_config(heads_dir: Path, config_class: type, methods: tuple[str, ...], what: str):
+    """heads_dir/config.json as `config_class`, if its `method` is one of `methods`; HeadsLoadError otherwise."""
     file = heads_dir / CONFIG_NAME
     if not file.is_file():
         raise HeadsLoadError(f"{heads_dir} has no {CONFIG_NAME}: not a heads directory written by headstart")
@@ -133,16 +134,19 @@ def read_medusa_config(heads_dir: Path) -> MedusaConfig:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise HeadsLoadError(f"{file} is not valid JSON ({err})") from err
-    known = {f.name for f in fields(MedusaConfig)}
-    if not isinstance(raw, dict) or not str(raw.get("method", "")).startswith("medusa"):
-        raise HeadsLoadError(f"{file} does not describe Medusa heads (method={raw.get('method') if isinstance(raw, dict) else None!r})")
-    unknown = sorted(set(raw) - known)
+    if not isinstance(raw, dict) or raw.get("method") not in methods:
+        raise HeadsLoadError(f"{file} does not describe {what} (method={raw.get('method') if isinstance(raw, dict) else None!r})")
+    unknown = sorted(set(raw) - {f.name for f in fields(config_class)})
     if unknown:
         raise HeadsLoadError(f"{file} has unknown key(s) {unknown}: written by a newer headstart?")
     try:
-        return MedusaConfig(**raw)
-    except TypeError as err:
+        return config_class(**raw)
+    except (TypeError, ValueError) as err:
         raise HeadsLoadError(f"{file}: {err}") from err
+
+
+def read_medusa_config(heads_dir: Path) -> MedusaConfig:
+    return read_heads_config(heads_dir, MedusaConfig, ("medusa", "medusa2"), "Medusa heads")
 
 
 def check_target(config: MedusaConfig, target_info: Any, where: str = "these heads") -> None:

@@ -595,13 +595,13 @@ class Speculator:
         heads_dir = _resolve_heads_dir(heads)
         try:
             if heads_method(heads_dir).startswith("eagle"):
-                medusa = load_eagle_draft(heads_dir)  # (named for the common case; any heads below)
+                heads_module = load_eagle_draft(heads_dir)
             else:
-                medusa = MedusaHeads.from_pretrained(str(heads_dir))
+                heads_module = MedusaHeads.from_pretrained(str(heads_dir))
         except Exception as err:
             raise SpeculatorError(f"could not load the heads in {heads_dir} ({err.__class__.__name__}: "
                                   f"{str(err).splitlines()[0][:200] if str(err) else ''}); re-download or re-train them") from err
-        recorded = medusa.config.target or {}
+        recorded = heads_module.config.target or {}
         if target is None:
             if not recorded.get("name"):
                 raise SpeculatorError(f"{heads_dir}/config.json names no target: pass target=... (a model or its path)")
@@ -624,16 +624,16 @@ class Speculator:
                 f"the heads in {heads} were trained on target {recorded.get('name')!r} (fingerprint {want_fp}), "
                 f"but the given target {target_name!r} has fingerprint {got_fp}: different weights. Fix: load the "
                 f"target the heads were trained on (omit target= to load {recorded.get('name')!r}), or train heads "
-                "for this target with train/medusa.py")
+                "for this target with train/medusa.py or train/eagle.py")
         hidden = model.get_output_embeddings().weight.shape[1]
-        if medusa.config.hidden_size != hidden:
-            raise SpeculatorError(f"the heads expect hidden size {medusa.config.hidden_size}, the target has {hidden}: "
+        if heads_module.config.hidden_size != hidden:
+            raise SpeculatorError(f"the heads expect hidden size {heads_module.config.hidden_size}, the target has {hidden}: "
                                   "these heads belong to another model; load the target they were trained on")
-        if getattr(medusa.config, "adapter", False):  # Medusa-2: the heads read the LoRA-tuned target
+        if getattr(heads_module.config, "adapter", False):  # Medusa-2: the heads read the LoRA-tuned target
             model = _merge_adapter(model if isinstance(target, (str, Path)) or target is None else copy.deepcopy(model),
                                    heads_dir)
-        medusa = medusa.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype).eval()
-        spec = cls(model, medusa, tokenizer, choices=None, heads_dir=heads_dir)
+        heads_module = heads_module.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype).eval()
+        spec = cls(model, heads_module, tokenizer, choices=None, heads_dir=heads_dir)
         spec.set_tree(tree)
         return spec
 
