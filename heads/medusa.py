@@ -8,6 +8,13 @@ target's lm_head, or the target's frozen lm_head itself when `share_lm_head` is 
 
 Tensor names match vLLM's MedusaModel loader: `blocks.{k}.layers.{l}.weight/bias`, `lm_heads.{k}.weight`.
 
+With `draft_vocab_size` > 0 the heads score only a draft vocabulary: the `token_map` buffer [Vd] lists its
+target ids (the most frequent target-written tokens of the training data, increasing ids; vLLM calls the same
+tensor `token_map` and the size `truncated_vocab_size`). Logits are then [.., Vd] and index the draft vocabulary;
+`to_target_ids` maps them back. A head's candidates can only be draft-vocabulary tokens, which loses little, and
+its lm_head matmul reads Vd rows instead of V: for SmolLM2 (V = 49152) 8192 rows cut the draft from ~5 ms to
+under 1 ms a step on 2 CPU cores, and training 3-5x.
+
 A heads directory (local or on the Hub) holds `config.json` (this module's `MedusaConfig`: method, target
 name/fingerprint/dims), `model.safetensors` (head weights only), `README.md`, `metrics.json` and, for Medusa-2,
 `adapter/` (the target's LoRA adapter; the heads read the adapter-merged target). Load it with
@@ -38,6 +45,7 @@ class MedusaConfig:
     target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the (base) target
     method: str = "medusa"  # "medusa" (Medusa-1, frozen target) or "medusa2" (target LoRA-tuned jointly)
     adapter: bool = False  # True: the heads need the target with the LoRA adapter in `adapter/` merged
+    draft_vocab_size: int = 0  # > 0: heads score only these many target tokens (`token_map`); 0: all of them
 
 
 class MedusaBlockStack(nn.Module):
@@ -60,28 +68,65 @@ class MedusaHeads(nn.Module, PyTorchModelHubMixin, library_name="headstart", tag
         if isinstance(config, dict):  # as read back from config.json by from_pretrained
             config = MedusaConfig(**config)
         self.config = config
+        if not 0 <= config.draft_vocab_size <= config.vocab_size:
+            raise ValueError(f"draft_vocab_size {config.draft_vocab_size} must be in [0, vocab_size {config.vocab_size}]")
         self.blocks = nn.ModuleList(MedusaBlockStack(config.hidden_size, config.num_layers) for _ in range(config.num_heads))
+        out_size = config.draft_vocab_size or config.vocab_size
         if config.share_lm_head:
             self.lm_heads = None
         else:
-            self.lm_heads = nn.ModuleList(
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
-            )
+            self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, out_size, bias=False) for _ in range(config.num_heads))
+        if config.draft_vocab_size:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # draft id -> target id
+            self.register_buffer("target_to_draft", torch.full((config.vocab_size,), -1), persistent=False)
+            self.set_draft_vocab(self.token_map)
+        else:
+            self.token_map = None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Score only these target ids (draft_vocab_size distinct ones); set before init_lm_heads_from."""
+        ids = torch.unique(target_ids.long()).to(self.token_map.device)  # sorted
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
+        self.token_map.copy_(ids)
+        self.target_to_draft.fill_(-1)
+        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.token_map is not None:  # the non-persistent inverse map follows the loaded token_map
+            self.set_draft_vocab(self.token_map)
+
+    def draft_lm_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head [V, h] -> the rows the shared-lm_head heads score: [Vd, h] (or [V, h])."""
+        return lm_head_weight if self.token_map is None else lm_head_weight[self.token_map]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Indices into these heads' logits -> target token ids."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def to_draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (indices into the logits, in-vocabulary mask); out-of-vocabulary labels become 0."""
+        if self.token_map is None:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        draft = self.target_to_draft[labels]
+        return draft.clamp(min=0), draft >= 0
 
     @torch.no_grad()
     def init_lm_heads_from(self, lm_head_weight: torch.Tensor) -> None:
-        """Copy the target's lm_head [V, h] into every head's own lm_head."""
+        """Copy the target's lm_head [V, h] (its draft-vocabulary rows) into every head's own lm_head."""
         if self.lm_heads is None:
             return
         for head in self.lm_heads:
-            head.weight.copy_(lm_head_weight)
+            head.weight.copy_(self.draft_lm_head_weight(lm_head_weight))
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, h] -> per-head features [K, B, T, h]."""
         return torch.stack([block(hidden) for block in self.blocks])
 
     def forward(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [B, T, h] (target's final-norm hidden states) -> logits [K, B, T, V].
+        """hidden [B, T, h] (target's final-norm hidden states) -> logits [K, B, T, V] (V = Vd with a draft vocabulary).
 
         `lm_head_weight` [V, h] is the target's lm_head weight, required when `share_lm_head`.
         """
@@ -89,7 +134,7 @@ class MedusaHeads(nn.Module, PyTorchModelHubMixin, library_name="headstart", tag
         if self.lm_heads is None:
             if lm_head_weight is None:
                 raise ValueError("these Medusa heads share the target's lm_head: pass lm_head_weight")
-            return feats @ lm_head_weight.t()  # one matmul over all heads: [K, B, T, V]
+            return feats @ self.draft_lm_head_weight(lm_head_weight).t()  # one matmul over all heads: [K, B, T, V]
         return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
 
 
@@ -199,7 +244,7 @@ def load_weights(module: nn.Module, heads_dir: Path) -> nn.Module:
         raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the heads") from err
     try:
         module.load_state_dict(state, strict=True)
-    except RuntimeError as err:
+    except (RuntimeError, ValueError, IndexError) as err:
         raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {str(err).splitlines()[0]}") from err
     return module
 

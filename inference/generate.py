@@ -30,6 +30,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from inference.attention import gqa_sdpa
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, Tree, best_choices, build_dynamic_tree, default_choices,
                             expected_accept_length, static_tree_tokens, tree_from_choices)
@@ -79,7 +80,8 @@ def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Dynam
         kwargs["cache_position"] = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
     if feature_layers:
         kwargs["output_hidden_states"] = True
-    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+    with gqa_sdpa(model, input_ids.device):  # tree masks on CPU: no copies of the key/value heads
+        out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = out.last_hidden_state[0]  # [T, h]
     taps = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1) if feature_layers else None
     if last_only:
@@ -135,15 +137,16 @@ class MedusaProposer:
                                   f"use a tree of depth <= {num_heads}")
         self.heads = heads
         self.tree = tree
-        self.lm_head_weight = lm_head_weight
+        # the rows of the shared lm_head the heads score (their draft vocabulary), sliced once
+        self.lm_head_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
         self.topk = max(tree.ranks) + 1
 
     @torch.no_grad()
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
         if self.tree.max_depth == 0:  # a root-only tree: plain decoding (what `auto` picks when drafting never pays)
             return self.tree, torch.tensor([draft.root], dtype=torch.long)
-        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, V]
-        topk_tokens = logits.topk(self.topk, dim=-1).indices  # [depth, k]
+        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, Vd]
+        topk_tokens = self.heads.to_target_ids(logits.topk(self.topk, dim=-1).indices)  # [depth, k] target ids
         return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
 
 
@@ -170,7 +173,11 @@ class DynamicTreeProposer:
 
 def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
                   lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden [h] -> logits [depth, V] of the first `depth` heads only (a full-vocabulary head is costly)."""
+    """hidden [h] -> logits [depth, V] of the first `depth` heads only (a full-vocabulary head is costly).
+
+    lm_head_weight: the shared lm_head rows the heads score ([Vd, h] with a draft vocabulary: `draft_lm_head_weight`);
+    the logits index those rows.
+    """
     feats = torch.stack([heads.blocks[k](hidden) for k in range(depth)])  # [depth, h]
     if heads.lm_heads is None:
         if lm_head_weight is None:
@@ -459,7 +466,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for step in steps.values():
         step()  # warm-up
     if draft_for is None:
-        drafts = {None: lambda: medusa_logits(heads, hidden[0], len(accuracy), lm_head_weight)}
+        draft_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
+        drafts = {None: lambda: medusa_logits(heads, hidden[0], len(accuracy), draft_weight)}
     else:
         drafts = {size: draft_for(per_size_choices[size]) for size in steps}
     draft_times = {key: math.inf for key in drafts}

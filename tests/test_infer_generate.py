@@ -375,6 +375,94 @@ def test_medusa_logits_match_the_heads_module():
     torch.testing.assert_close(medusa_logits(shared, hidden, 3, weight), shared(hidden[None, None], weight)[:, 0, 0])
 
 
+def _draft_vocab_twin(heads: MedusaHeads, token_map: torch.Tensor) -> MedusaHeads:
+    """The same heads restricted to a draft vocabulary: blocks copied, lm_heads = the rows of token_map."""
+    config = MedusaConfig(**{**heads.config.__dict__, "draft_vocab_size": len(token_map)})
+    twin = MedusaHeads(config)
+    twin.set_draft_vocab(token_map)
+    twin.blocks.load_state_dict(heads.blocks.state_dict())
+    if heads.lm_heads is not None:
+        for mine, theirs in zip(twin.lm_heads, heads.lm_heads):
+            mine.weight.data.copy_(theirs.weight[twin.token_map])
+    return twin.eval()
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_draft_vocabulary_heads_rank_their_tokens_as_the_full_heads_do(share):
+    """Heads with a draft vocabulary == the full heads' logits at token_map; the proposer's candidates are the
+    full heads' best tokens among token_map, as target ids; a save/load round trip keeps the map."""
+    from inference.generate import MedusaProposer
+
+    torch.manual_seed(5)
+    full = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=3, share_lm_head=share))
+    for block in full.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.2)
+    weight = torch.randn(VOCAB, 64) if share else None
+    token_map = torch.randperm(VOCAB)[:20]
+    twin = _draft_vocab_twin(full.eval(), token_map)
+    assert torch.equal(twin.token_map, token_map.sort().values)
+    hidden = torch.randn(64)
+    want = full(hidden[None, None], weight)[:, 0, 0][:, twin.token_map]  # [K, 20]
+    torch.testing.assert_close(twin(hidden[None, None], weight)[:, 0, 0], want)
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    _, tokens = MedusaProposer(twin, tree, weight)(DraftInput(hidden=hidden, root=7, context=[7]))
+    expected = static_tree_tokens(tree, 7, twin.token_map[want.topk(2, dim=-1).indices])
+    assert torch.equal(tokens, expected) and set(tokens[1:].tolist()) <= set(token_map.tolist())
+    again = MedusaHeads(twin.config)
+    again.load_state_dict(twin.state_dict())
+    assert "target_to_draft" not in twin.state_dict()
+    assert torch.equal(again.target_to_draft, twin.target_to_draft) and int((again.target_to_draft >= 0).sum()) == 20
+
+
+def test_draft_vocabulary_heads_are_greedy_exact():
+    """Lossless whatever the heads draft: a 16-token draft vocabulary still gives model.generate's tokens."""
+    model = tiny_model("llama", vocab_size=VOCAB, seed=1)
+    heads = _draft_vocab_twin(random_heads(seed=2), torch.arange(40, 56))
+    spec = Speculator(model, heads)
+    prompts = torch.randint(3, VOCAB, (5, PROMPT_LEN), generator=torch.Generator().manual_seed(4))
+    refs = reference(model, prompts, 48)
+    for i in range(5):
+        out = spec.generate(prompts[i], 48, stop_token_ids=[])
+        assert out.tokens == refs[i], f"prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_tree_forward_reads_grouped_heads_without_copies(model_type, monkeypatch):
+    """On CPU the tree forward runs SDPA on the key/value heads (enable_gqa) instead of copies of them, with the
+    same logits as transformers' sdpa path, and leaves the model's attention setting as it was."""
+    from transformers import DynamicCache
+
+    import inference.attention as attention
+    from inference.generate import compact_cache, target_forward
+
+    model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
+    assert model.config._attn_implementation == "sdpa"
+    prompt = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(0))
+    tree = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    tokens = torch.randint(3, VOCAB, (1, tree.size), generator=torch.Generator().manual_seed(1))
+    mask, positions = tree.attention_mask(20, dtype=torch.float32), tree.position_ids(20)
+    cache = DynamicCache()
+    with torch.no_grad():
+        target_forward(model, prompt, cache)
+        seen = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def spy(q, k, v, **kw):
+            seen.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False)))
+            return sdpa(q, k, v, **kw)
+
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+        fast = target_forward(model, tokens, cache, mask, positions)[0]
+        compact_cache(cache, 20, [])
+        monkeypatch.setattr(attention, "ENABLED", False)
+        plain = target_forward(model, tokens, cache, mask, positions)[0]
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    layers = model.config.num_hidden_layers
+    assert seen == [(heads, kv_heads, True)] * layers + [(heads, heads, False)] * layers  # the plain path copies
+    torch.testing.assert_close(fast, plain, atol=1e-6, rtol=1e-6)
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_real_embedded_target_greedy_exact():
     """SmolLM2-135M-Instruct (the embedded default), fp32: speculative greedy == model.generate."""
     pytest.importorskip("gguf")

@@ -218,3 +218,26 @@ def test_every_medusa_recipe_parses():
     for recipe in recipes:
         assert recipe.read_text().startswith("#"), f"{recipe} must open with its launch command"
         check_config(parse_config(MedusaTrainConfig, ["--config", str(recipe)]))
+
+
+def test_draft_vocabulary_is_the_most_frequent_tokens(tiny_target_dir, sd_dir, tmp_path):
+    """--draft_vocab_size 24: token_map = the 24 most frequent target-written training tokens; the heads score
+    only those; held-out ranks count a token outside them as a miss; resume restores the map."""
+    from train.data import supervised_token_counts
+
+    metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--num_epochs", "2", "--draft_vocab_size", "24"))
+    _, _, info = load_target(str(tiny_target_dir))
+    heads = load_medusa_heads(tmp_path / "heads", info)
+    assert heads.config.draft_vocab_size == 24 and heads.token_map.shape == (24,)
+    train_rows = datasets.load_from_disk(str(sd_dir / "dataset")).select(range(20))
+    counts = supervised_token_counts([dict(r) for r in train_rows], info.vocab_size)
+    in_map = torch.zeros(info.vocab_size, dtype=torch.bool)
+    in_map[heads.token_map] = True
+    assert counts[in_map].min() >= counts[~in_map].max()  # no token outside is more frequent than one inside
+    assert metrics["draft_vocab_coverage"] == pytest.approx(float(counts[in_map].sum() / counts.sum()), abs=1e-4)
+    assert heads.lm_heads[0].weight.shape == (24, info.hidden_size)
+    assert heads(torch.randn(1, 2, info.hidden_size)).shape == (3, 1, 2, 24)
+    labels, ok = heads.to_draft_labels(torch.arange(info.vocab_size))
+    assert torch.equal(ok, in_map) and torch.equal(heads.token_map[labels[ok]], torch.arange(info.vocab_size)[ok])
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        main(base_args(tiny_target_dir, sd_dir, tmp_path / "bad", "--draft_vocab_size", "-1"))

@@ -100,3 +100,12 @@ def shard_epoch(order: Sequence[int], per_device_batch: int, num_processes: int,
         start = g * global_batch + process_index * per_device_batch
         mine.extend(order[start : start + per_device_batch])
     return mine
+
+
+def supervised_token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
+    """How often each target id is a target-written (loss_mask = 1) token of `rows`: [V]."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        ids = torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

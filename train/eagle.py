@@ -66,7 +66,7 @@ from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
 from heads.medusa import push_heads_dir
 from heads.target import load_target, resolve_dtype
 from train.config import ConfigError, parse_config
-from train.data import DataError, collate, pad_features, shard_epoch, shifted_labels
+from train.data import DataError, collate, pad_features, shard_epoch, shifted_labels, supervised_token_counts
 from train.medusa import ensure_data, latest_checkpoint, prepare_rows, save_checkpoint, setup_wandb_mode
 
 
@@ -354,15 +354,6 @@ class UnrolledDraft(nn.Module):
 
 # ----------------------------------------------------------------------------------------------------
 # draft vocabulary and initialisation
-
-
-def supervised_token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
-    """How often each target id is a target-written (loss_mask = 1) token of `rows`: [V]."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for row in rows:
-        ids = torch.as_tensor(row["input_ids"])[torch.as_tensor(row["loss_mask"]).bool()]
-        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
-    return counts
 
 
 @torch.no_grad()

@@ -49,11 +49,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+from heads.eagle import most_frequent_tokens
 from heads.medusa import ADAPTER_DIR, MedusaConfig, MedusaHeads, load_medusa_heads, push_heads_dir
 from heads.target import load_target
 from train.config import ConfigError, parse_config
 from train.data import (DataError, check_columns, collate, pad_features, shard_epoch, shifted_labels, split_eval,
-                        truncate_rows)
+                        supervised_token_counts, truncate_rows)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class MedusaTrainConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # True: heads use the target's frozen lm_head (fewer weights, lower accuracy)
+    draft_vocab_size: int = 0  # > 0: heads score only this many most frequent target-written tokens (faster)
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
     # data
@@ -114,6 +116,8 @@ def check_config(cfg: MedusaTrainConfig) -> None:
         raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
     if cfg.num_heads < 1 or cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("num_heads, per_device_batch_size and gradient_accumulation_steps must be >= 1")
+    if cfg.draft_vocab_size < 0:
+        raise ConfigError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {cfg.draft_vocab_size}")
     if cfg.feature_cache and cfg.method == "medusa2":
         raise ConfigError("feature_cache needs a frozen target: use it with method medusa only")
 
@@ -245,9 +249,10 @@ def evaluate(target, heads: MedusaHeads, rows: list[dict], cfg: MedusaTrainConfi
         batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + cfg.per_device_batch_size], pad_id).items()}
         hidden = final_hidden(target, batch["input_ids"], batch["attention_mask"])
         union, labels, valid = head_targets(batch, K)
+        labels, in_vocab = heads.to_draft_labels(labels)
         logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
         truth = logits.gather(-1, labels[..., None])  # [K, N, 1]
-        rank = (logits > truth).sum(-1).clamp(max=R)  # [K, N]
+        rank = (logits > truth).sum(-1).clamp(max=R).masked_fill(~in_vocab, R)  # [K, N]; a token the heads cannot draft: a miss
         for k in range(K):
             rank_counts[k] += torch.bincount(rank[k][valid[k]], minlength=R + 1).float()
         # the target's own next-token accuracy on the same data (near 1 for greedy self-distilled rows)
@@ -289,7 +294,7 @@ tags: [medusa, speculative-decoding]
 ---
 # Medusa heads for `{info.name}`
 
-- Method: {method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), {"shared" if cfg.share_lm_head else "own"} lm_head
+- Method: {method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), {"shared" if cfg.share_lm_head else "own"} lm_head{f", draft vocabulary of {cfg.draft_vocab_size} tokens (coverage {stats['draft_vocab_coverage']:.3f} of the training tokens)" if cfg.draft_vocab_size else ""}
 - Target: `{info.name}` ({info.model_type}, hidden {info.hidden_size}, vocab {info.vocab_size}, fingerprint `{info.fingerprint}`)
 - Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, {stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}
 - Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup
@@ -388,14 +393,22 @@ def main(argv: list[str] | None = None) -> dict:
     # 3. heads, initialised from the target's lm_head
     heads = MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=cfg.num_heads,
                                      num_layers=cfg.num_layers, share_lm_head=cfg.share_lm_head, target=info.to_dict(),
-                                     method=cfg.method, adapter=medusa2))
+                                     method=cfg.method, adapter=medusa2, draft_vocab_size=cfg.draft_vocab_size))
+    if cfg.draft_vocab_size:
+        counts = supervised_token_counts(train_rows, info.vocab_size)
+        heads.set_draft_vocab(most_frequent_tokens(counts, cfg.draft_vocab_size))
+        covered = int(counts[heads.token_map].sum()) / max(int(counts.sum()), 1)
+        stats["draft_vocab_coverage"] = round(covered, 4)
+        log(f"draft vocabulary: {cfg.draft_vocab_size} of {info.vocab_size} target tokens cover {covered:.4f} of the "
+            "target-written training tokens")
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     heads.init_lm_heads_from(lm_head_weight)
     if cfg.init_heads_from:
         start = load_medusa_heads(cfg.init_heads_from, info)
-        if (start.config.num_heads, start.config.num_layers, start.config.share_lm_head) != (cfg.num_heads, cfg.num_layers, cfg.share_lm_head):
-            raise ConfigError(f"init_heads_from {cfg.init_heads_from}: its num_heads/num_layers/share_lm_head "
-                              f"{start.config.num_heads}/{start.config.num_layers}/{start.config.share_lm_head} differ from this config's")
+        shape = ("num_heads", "num_layers", "share_lm_head", "draft_vocab_size")
+        if any(getattr(start.config, k) != getattr(cfg, k) for k in shape):
+            raise ConfigError(f"init_heads_from {cfg.init_heads_from}: its {'/'.join(shape)} "
+                              f"{'/'.join(str(getattr(start.config, k)) for k in shape)} differ from this config's")
         heads.load_state_dict(start.state_dict())
     heads.to(accelerator.device)
     if medusa2:
@@ -487,6 +500,8 @@ def main(argv: list[str] | None = None) -> dict:
             kl_total = torch.zeros((), device=accelerator.device)
             for i, batch in enumerate(micro):
                 union, labels, valid = head_targets(batch, cfg.num_heads)
+                labels, in_vocab = heads.to_draft_labels(labels)  # out-of-vocabulary tokens: no loss (denominators keep them)
+                valid = valid & in_vocab
                 last = i == accum - 1
                 with accelerator.no_sync(model) if not last else contextlib.nullcontext():
                     if medusa2:
