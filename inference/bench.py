@@ -2,14 +2,16 @@
 
     python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
-        [--tree auto|default|PATH] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--target NAME_OR_PATH] \
-        [--threads N]
+        [--tree auto|default|PATH] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
+        [--target NAME_OR_PATH] [--threads N]
 
 Every heads directory must belong to the same target (checked by the weight fingerprint recorded in
 its config.json); the target is loaded once and shared. Each prompt is the row's first user turn
 (with the row's system message, if any) rendered with the target's chat template. For every prompt the
-methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1, heads 2, ...), after
-one uncounted warm-up round on the first prompt.
+methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1, heads 1 +lookup, heads 2, ...),
+after one uncounted warm-up round on the first prompt. "+lookup" rows are the same heads with chains found in the
+context verified instead of the heads' tree when the context ends in a repeated n-gram (inference/lookup.py, the
+Speculator's default); rows without it are the heads alone. "prompt_lookup" is HF's prompt-lookup decoding.
 
 Figures (see "Definitions used by every benchmark" in the design notes):
   tau        tokens generated / target forwards after the one that reads the prompt (bonus token included;
@@ -45,6 +47,7 @@ import torch
 SCHEMA_VERSION = 1
 WARMUP_TOKENS = 32  # the warm-up round decodes at most this many tokens per method
 RESERVED_NAMES = ("vanilla", "prompt_lookup")
+LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
 
 
 class BenchError(ValueError):
@@ -240,6 +243,7 @@ class Run:
     prefill_s: float  # the target forward that reads the prompt
     step_s: float  # target forwards after it (heads: tree forwards + acceptance + cache compaction)
     accept_hist: list[int] = field(default_factory=list)
+    lookup_steps: int = 0  # heads: steps that verified a chain from the context (inference/lookup.py)
 
 
 @dataclass
@@ -275,28 +279,31 @@ def hf_method(name: str, kind: str, model, meter: ForwardMeter, device: torch.de
     return Method(name=name, kind=kind, run=run, info=info)
 
 
-def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.device) -> Method:
+def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.device, lookup: bool) -> Method:
+    """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py)."""
     def run(ids: list[int], max_new_tokens: int) -> Run:
         _sync(device)
         t0 = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops))
+        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup)
         _sync(device)
         seconds = time.perf_counter() - t0
         s = out.stats
         return Run(list(out.tokens), seconds, s.decode_forwards, draft_s=s.draft_s, verify_s=s.verify_s + s.prefill_s,
-                   prefill_s=s.prefill_s, step_s=s.verify_s, accept_hist=list(s.accept_hist))
+                   prefill_s=s.prefill_s, step_s=s.verify_s, accept_hist=list(s.accept_hist),
+                   lookup_steps=s.lookup_steps)
 
+    name = entry.label + (LOOKUP_SUFFIX if lookup else "")
+    info = {"heads_dir": str(entry.path), "lookup": lookup, "draft_vocab_size": spec.heads.config.draft_vocab_size}
     if spec.is_eagle:
         dyn = spec.dynamic
-        info = {"heads_dir": str(entry.path), "method": spec.heads.config.method,
-                "draft_vocab_size": spec.heads.config.draft_vocab_size,
-                "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}}
-        return Method(name=entry.label, kind=spec.heads.config.method, run=run, info=info)
+        info.update({"method": spec.heads.config.method,
+                     "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}})
+        return Method(name=name, kind=spec.heads.config.method, run=run, info=info)
     tree = spec.tree
     choices = [[tree.ranks[n] for n in _path_to(tree, i)] for i in range(1, tree.size)]
-    info = {"heads_dir": str(entry.path), "num_heads": spec.heads.config.num_heads,
-            "tree": {"size": tree.size, "depth": tree.max_depth, "choices": choices}}
-    return Method(name=entry.label, kind="medusa", run=run, info=info)
+    info.update({"num_heads": spec.heads.config.num_heads,
+                 "tree": {"size": tree.size, "depth": tree.max_depth, "choices": choices}})
+    return Method(name=name, kind="medusa", run=run, info=info)
 
 
 def _path_to(tree, node: int) -> list[int]:
@@ -372,6 +379,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
         "identical": len(runs) - len(mismatches), "identical_of": len(runs), "all_identical": not mismatches,
         "mismatches": mismatches,
         "accept_hist": hist if method.kind not in ("vanilla", "prompt_lookup") else None,
+        "lookup_steps": sum(r.lookup_steps for r in runs) if method.info.get("lookup") else None,
     }
 
 
@@ -495,6 +503,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                                       "and writes tree.json into each heads dir")
     parser.add_argument("--no_prompt_lookup", action="store_true", help="skip HF prompt-lookup decoding")
     parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    parser.add_argument("--lookup", choices=["off", "on", "both"], default="both",
+                        help="heads alone (off), heads + chains drafted from the context (on, the Speculator's "
+                             "default; rows named '... +lookup'), or both rows (default)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice); "
                         "on a busy shared CPU 1 thread is much steadier (oversubscribed OpenMP threads spin)")
     parser.add_argument("--target", default=None, help="load this target instead of the one the heads name "
@@ -564,7 +575,8 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     if not args.no_prompt_lookup:
         methods.append(hf_method("prompt_lookup", "prompt_lookup", model, meter, device, pad_id,
                                  args.prompt_lookup_num_tokens))
-    methods += [heads_method(e, s, stops, device) for e, s in zip(entries, specs)]
+    lookups = {"off": [False], "on": [True], "both": [False, True]}[args.lookup]
+    methods += [heads_method(e, s, stops, device, lookup) for e, s in zip(entries, specs) for lookup in lookups]
     runs: dict[str, list[Run]] = {m.name: [] for m in methods}
     try:
         with plain_generation_config(model, stops, pad_id), torch.no_grad():
@@ -604,6 +616,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
         "skipped_prompts": skipped, "max_new_tokens": args.max_new_tokens,
         "tree": args.tree or "heads' tree.json, else default",
         "prompt_lookup_num_tokens": None if args.no_prompt_lookup else args.prompt_lookup_num_tokens,
+        "heads_lookup": args.lookup,
         "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "order": [m.name for m in methods],
         "neutralised_generation_config": altered,
     }

@@ -32,6 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from inference.attention import gqa_sdpa
 from inference.eagle import EagleProposer, dynamic_config_from_choices
+from inference.lookup import LookupConfig, chain_draft, lookup_continuation
 from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, Tree, best_choices, build_dynamic_tree, default_choices,
                             expected_accept_length, static_tree_tokens, tree_from_choices)
 from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
@@ -194,6 +195,7 @@ def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
 class GenerateStats:
     new_tokens: int = 0
     decode_forwards: int = 0  # target forward passes after the prefill (one per tree)
+    lookup_steps: int = 0  # of those, steps that verified a chain found in the context instead of the heads' tree
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a] = steps that kept a drafted tokens
     tree_size: int = 0  # nodes of the last tree (root included)
     prefill_s: float = 0.0
@@ -284,10 +286,13 @@ def speculative_generate(
     stop_token_ids: Sequence[int] = (),
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
+    lookup: LookupConfig | None = None,
 ) -> GenerateOutput:
     """Speculative decoding at batch 1. input_ids: [L] or [1, L]. Returns the new tokens and stats.
 
     on_tokens(new_ids) is called after every step with the tokens it emitted (streaming).
+    lookup: also draft from the context (inference/lookup.py): a step whose context ends in a repeated n-gram
+    verifies what followed it, instead of calling the proposer.
     """
     sampling = sampling or SamplingConfig()
     if sampling.acceptance not in ("auto", "typical"):
@@ -324,12 +329,18 @@ def speculative_generate(
 
     while not stopped and len(emitted) < max_new_tokens:
         t0 = time.perf_counter()
-        tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
+        chain = lookup_continuation(context, lookup) if lookup is not None and lookup.num_tokens > 0 else []
+        if chain:
+            tree, tokens = chain_draft(root, chain)
+            stats.lookup_steps += 1
+        else:
+            tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
+            taps = None  # handed over
         t1 = time.perf_counter()
         mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
         positions = tree.position_ids(prefix_len, device=device)  # [1, N]
-        logits, hidden, taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
-                                              feature_layers=feature_layers)  # [N, V], [N, h], [N, n*h]
+        logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
+                                                   feature_layers=feature_layers)  # [N, V], [N, h], [N, n*h]
         token_list = tokens.tolist()
         path, bonus = _accept(tree, token_list, logits, sampling, generator)
         compact_cache(cache, prefix_len, path)
@@ -344,8 +355,8 @@ def speculative_generate(
 
         prefix_len += len(path)
         hidden_last = hidden[path[-1]]
-        if taps is not None:
-            taps = taps[path]  # the accepted nodes are the new cache entries
+        if tree_taps is not None:  # the accepted nodes are the new cache entries; kept until the proposer runs
+            taps = tree_taps[path] if taps is None else torch.cat([taps, tree_taps[path]])
         new = [token_list[i] for i in path[1:]] + [bonus]
         step_out: list[int] = []
         for tok in new:
@@ -558,11 +569,12 @@ class Speculator:
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
-                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None):
+                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True):
         self.model = model
         self.heads = heads
         self.tokenizer = tokenizer
         self.heads_dir = heads_dir
+        self.lookup = lookup  # also draft from repeats in the context (inference/lookup.py), with the tree's node count
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         if self.is_eagle:
@@ -723,12 +735,13 @@ class Speculator:
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
-                 proposer: Proposer | None = None) -> GenerateOutput:
+                 proposer: Proposer | None = None, lookup: bool | None = None) -> GenerateOutput:
         """Decode up to max_new_tokens after input_ids ([L] or [1, L]).
 
         temperature 0: greedy, token-identical to model.generate(do_sample=False) in fp32.
         temperature > 0: lossless sampling (acceptance='auto') or Medusa typical acceptance ('typical', lossy).
         stop_token_ids: default the target's generation_config.eos_token_id. on_tokens: streaming callback.
+        lookup: draft from repeats in the context too (default self.lookup); chains get the tree's node count.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpeculatorError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -738,8 +751,10 @@ class Speculator:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         proposer = proposer or self.make_proposer()
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance)
+        use_lookup = self.lookup if lookup is None else lookup
+        chain = LookupConfig(num_tokens=self.tree_size - 1) if use_lookup and self.tree_size > 1 else None
         return speculative_generate(self.model, proposer, input_ids, max_new_tokens, sampling, stop_token_ids,
-                                    generator, on_tokens)
+                                    generator, on_tokens, chain)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is often faster)")
     parser.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    parser.add_argument("--no_lookup", action="store_true", help="draft with the heads only, never from repeats in the "
+                                                                 "context (inference/lookup.py)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -805,14 +822,15 @@ def main(argv: list[str] | None = None) -> int:
         ids = chat_input_ids(spec.tokenizer, args.prompt)
         stream = TextStream(spec.tokenizer)
         out = spec.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            acceptance="typical" if args.typical else "auto", seed=args.seed, on_tokens=stream)
+                            acceptance="typical" if args.typical else "auto", seed=args.seed, on_tokens=stream,
+                            lookup=not args.no_lookup)
         stream.end()
     except SpeculatorError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     s = out.stats
     print(f"\n\n{s.new_tokens} tokens, tau {s.tau:.2f} (tokens per target forward), {s.tokens_per_s:.1f} tokens/s, "
-          f"tree {spec.tree.size} nodes, draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s",
+          f"tree {spec.tree_size} nodes, {s.lookup_steps} of {s.decode_forwards} steps drafted from the context, draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s",
           file=sys.stderr)
     return 0
 

@@ -104,6 +104,36 @@ def test_committed_cache_is_built_from_true_features_only():
         torch.testing.assert_close(got.values, want.values, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_lookup_steps_keep_the_draft_cache_and_the_output_exact(method):
+    """Steps drafted from the context skip the EAGLE draft; the target features of what they accept are handed
+    over at its next call, so its cache still equals a from-scratch run, and the output model.generate's."""
+    from inference.lookup import LookupConfig
+
+    model = tiny_model("llama", num_hidden_layers=4, seed=3)
+    draft = make_draft(model, method, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    lookup_steps = 0
+    for i in range(4):
+        prompt = torch.randint(3, VOCAB, (1, 8), generator=gen)
+        ref = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 8:].tolist()
+        proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=2, depth=3, total_tokens=5))
+        out = speculative_generate(model, proposer, prompt, 40, stop_token_ids=[],
+                                   lookup=LookupConfig(num_tokens=4, min_ngram=1))
+        assert out.tokens == ref
+        lookup_steps += out.stats.lookup_steps
+        context = prompt[0].tolist() + out.tokens
+        n = proposer.committed
+        _, _, taps = target_forward(model, torch.tensor([context[:n]]), _cache(), feature_layers=draft.config.feature_layers)
+        fresh = _cache()
+        with torch.no_grad():
+            draft(model.get_input_embeddings()(torch.tensor(context[1: n + 1]))[None], draft.fuse(taps)[None],
+                  torch.arange(n)[None], _causal(n), fresh)
+        for got, want in zip(proposer.cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=2e-5, rtol=1e-4)
+    assert lookup_steps > 10
+
+
 def _cache():
     from transformers import DynamicCache
 

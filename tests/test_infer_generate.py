@@ -12,8 +12,8 @@ from conftest import tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
-from inference.generate import (CALIBRATION_SIZES, DraftInput, Speculator, SpeculatorError, TextStream, calibrate_tree,
-                                main)
+from inference.generate import (CALIBRATION_SIZES, DraftInput, SamplingConfig, Speculator, SpeculatorError, TextStream,
+                                calibrate_tree, main)
 from inference.tree import Tree, static_tree_tokens, tree_from_choices
 
 VOCAB = 128
@@ -327,9 +327,14 @@ def test_text_stream_writes_only_new_text():
     assert "".join(written) == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_sampling_end_to_end_matches_target_distribution():
+@pytest.mark.parametrize("lookup", [False, True])
+def test_sampling_end_to_end_matches_target_distribution(lookup):
     """The whole decode loop (tree forward, sampling acceptance, cache compaction) at temperature 1 on a
-    vocab-8 model: the first three tokens follow the target's exact joint distribution (chi-square)."""
+    vocab-8 model: the first three tokens follow the target's exact joint distribution (chi-square); with
+    `lookup`, steps whose context repeats a token verify a chain from the context instead (inference/lookup.py)."""
+    from inference.generate import speculative_generate
+    from inference.lookup import LookupConfig
+
     from scipy.stats import chi2
 
     model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
@@ -347,12 +352,16 @@ def test_sampling_end_to_end_matches_target_distribution():
         exact[t1, t2] = (logp[row, 3, t1] + logp[row, 4, t2] + logp[row, 5]).exp()
     n = 2000
     counts = torch.zeros(8, 8, 8)
-    accepted = 0
+    accepted = lookup_steps = 0
+    chain = LookupConfig(num_tokens=3, min_ngram=1) if lookup else None
     for s in range(n):
-        out = spec.generate(prompt, 3, temperature=1.0, seed=s, stop_token_ids=[])
+        out = speculative_generate(model, spec.make_proposer(), prompt, 3, SamplingConfig(temperature=1.0),
+                                   [], torch.Generator().manual_seed(s), lookup=chain)
         counts[tuple(out.tokens)] += 1
         accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+        lookup_steps += out.stats.lookup_steps
     assert accepted > n // 2  # drafted tokens were kept often (the cache got compacted)
+    assert (lookup_steps > n // 2) if lookup else lookup_steps == 0
     expected = exact.reshape(-1) * n
     observed = counts.reshape(-1).double()
     small = expected < 5

@@ -235,6 +235,7 @@ def test_draft_vocabulary_is_the_most_frequent_tokens(tiny_target_dir, sd_dir, t
     in_map[heads.token_map] = True
     assert counts[in_map].min() >= counts[~in_map].max()  # no token outside is more frequent than one inside
     assert metrics["draft_vocab_coverage"] == pytest.approx(float(counts[in_map].sum() / counts.sum()), abs=1e-4)
+    assert 0 < metrics["draft_vocab_coverage_heldout"] <= 1
     assert heads.lm_heads[0].weight.shape == (24, info.hidden_size)
     assert heads(torch.randn(1, 2, info.hidden_size)).shape == (3, 1, 2, 24)
     labels, ok = heads.to_draft_labels(torch.arange(info.vocab_size))

@@ -294,7 +294,7 @@ tags: [medusa, speculative-decoding]
 ---
 # Medusa heads for `{info.name}`
 
-- Method: {method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), {"shared" if cfg.share_lm_head else "own"} lm_head{f", draft vocabulary of {cfg.draft_vocab_size} tokens (coverage {stats['draft_vocab_coverage']:.3f} of the training tokens)" if cfg.draft_vocab_size else ""}
+- Method: {method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), {"shared" if cfg.share_lm_head else "own"} lm_head{f", draft vocabulary of {cfg.draft_vocab_size} tokens (coverage {stats['draft_vocab_coverage_heldout']:.3f} of the held-out tokens)" if cfg.draft_vocab_size else ""}
 - Target: `{info.name}` ({info.model_type}, hidden {info.hidden_size}, vocab {info.vocab_size}, fingerprint `{info.fingerprint}`)
 - Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, {stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}
 - Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup
@@ -397,10 +397,13 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.draft_vocab_size:
         counts = supervised_token_counts(train_rows, info.vocab_size)
         heads.set_draft_vocab(most_frequent_tokens(counts, cfg.draft_vocab_size))
+        held = supervised_token_counts(eval_rows, info.vocab_size)
         covered = int(counts[heads.token_map].sum()) / max(int(counts.sum()), 1)
+        covered_held = int(held[heads.token_map].sum()) / max(int(held.sum()), 1)
         stats["draft_vocab_coverage"] = round(covered, 4)
+        stats["draft_vocab_coverage_heldout"] = round(covered_held, 4)
         log(f"draft vocabulary: {cfg.draft_vocab_size} of {info.vocab_size} target tokens cover {covered:.4f} of the "
-            "target-written training tokens")
+            f"target-written training tokens, {covered_held:.4f} of the held-out ones")
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     heads.init_lm_heads_from(lm_head_weight)
     if cfg.init_heads_from:

@@ -1,0 +1,54 @@
+"""Drafting from the context itself (prompt lookup, Saxena 2023) as a second source beside the heads.
+
+When the last n tokens of the context (prompt + output so far; n from max_ngram down to min_ngram) occurred
+earlier, the tokens that followed their latest occurrence are a cheap and often right guess: code repeats names
+and signatures from the prompt, answers repeat their own phrases. The decode loop then verifies that chain instead
+of the heads' tree, with the same node count, so a step costs the same; without a match the heads draft as usual.
+Lossless like any other draft: a chain is a deterministic tree.
+
+Measured by simulation on the vanilla outputs of 10 HumanEval + 10 chitchat:heldout prompts (SmolLM2-135M,
+Medusa heads of recipes/smollm2-135m/medusa.yaml, 3-node trees): tau 1.35 -> 1.64 on HumanEval, 1.38 -> 1.56 on
+chitchat with min_ngram 2 (1 gave 1.57 / 1.51, 3 gave 1.64 / 1.53).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from inference.tree import Tree, tree_from_parents
+
+
+@dataclass
+class LookupConfig:
+    num_tokens: int  # chain length (drafted nodes); the decode loop uses the heads' tree size - 1
+    min_ngram: int = 2
+    max_ngram: int = 3
+
+
+def lookup_continuation(context: list[int], config: LookupConfig) -> list[int]:
+    """Up to num_tokens tokens that followed the latest earlier occurrence of the context's last n tokens, for the
+    largest n in [min_ngram, max_ngram] that occurs; [] when none does."""
+    length = len(context)
+    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+        if n <= 0 or length <= n:
+            continue
+        tail = context[length - n:]
+        last = tail[-1]
+        for start in range(length - n - 1, -1, -1):  # latest first; the tail itself (start = length - n) excluded
+            if context[start + n - 1] == last and context[start: start + n] == tail:
+                return context[start + n: start + n + config.num_tokens]
+    return []
+
+
+@functools.lru_cache(maxsize=64)
+def chain_tree(size: int) -> Tree:
+    """A chain of `size` nodes (root included): node i's parent is i - 1."""
+    return tree_from_parents([-1] + list(range(size - 1)))
+
+
+def chain_draft(root: int, chain: list[int]) -> tuple[Tree, torch.Tensor]:
+    """(tree, tokens [1 + len(chain)]) for verifying `chain` after `root`."""
+    return chain_tree(1 + len(chain)), torch.tensor([root] + chain, dtype=torch.long)
