@@ -92,7 +92,11 @@ def test_committed_cache_is_built_from_true_features_only():
     prompt = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=2, depth=3, total_tokens=6))
     out = speculative_generate(model, proposer, prompt, 20, stop_token_ids=[])
-    context = prompt[0].tolist() + out.tokens
+    assert_cache_holds_true_pairs(proposer, draft, model, prompt[0].tolist() + out.tokens)
+
+
+def assert_cache_holds_true_pairs(proposer: EagleProposer, draft: EagleDraft, model, context: list[int]) -> None:
+    """The proposer's draft cache == a from-scratch draft run over the pairs (f_s, x_{s+1}) it committed."""
     n = proposer.committed
     _, _, taps = target_forward(model, torch.tensor([context[:n]]), _cache(), feature_layers=draft.config.feature_layers)
     fresh = _cache()
@@ -122,15 +126,7 @@ def test_lookup_steps_keep_the_draft_cache_and_the_output_exact(method):
                                    lookup=LookupConfig(num_tokens=4, min_ngram=1))
         assert out.tokens == ref
         lookup_steps += out.stats.lookup_steps
-        context = prompt[0].tolist() + out.tokens
-        n = proposer.committed
-        _, _, taps = target_forward(model, torch.tensor([context[:n]]), _cache(), feature_layers=draft.config.feature_layers)
-        fresh = _cache()
-        with torch.no_grad():
-            draft(model.get_input_embeddings()(torch.tensor(context[1: n + 1]))[None], draft.fuse(taps)[None],
-                  torch.arange(n)[None], _causal(n), fresh)
-        for got, want in zip(proposer.cache.layers, fresh.layers):
-            torch.testing.assert_close(got.keys, want.keys, atol=2e-5, rtol=1e-4)
+        assert_cache_holds_true_pairs(proposer, draft, model, prompt[0].tolist() + out.tokens)
     assert lookup_steps > 10
 
 
