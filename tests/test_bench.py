@@ -69,11 +69,13 @@ def results(setup):
 
 def test_results_have_every_figure_for_every_method(results):
     out, res = results
-    assert list(res["methods"]) == ["vanilla", "prompt_lookup", "a/heads", "b/heads"]  # unique short labels
+    # unique short labels; each heads dir alone and with chains from the context (--lookup both, the default)
+    order = ["vanilla", "prompt_lookup", "a/heads", "a/heads +lookup", "b/heads", "b/heads +lookup"]
+    assert list(res["methods"]) == order
     assert SETTINGS_KEYS <= set(res["settings"])
     st = res["settings"]
     assert st["num_prompts_used"] == 3 and st["max_new_tokens"] == 16 and st["device"] == "cpu"
-    assert st["order"] == ["vanilla", "prompt_lookup", "a/heads", "b/heads"]
+    assert st["order"] == order and st["heads_lookup"] == "both"
     for name, m in res["methods"].items():
         assert METHOD_KEYS <= set(m), name
         assert SPLIT_KEYS <= set(m["time_split"]), name
@@ -91,9 +93,11 @@ def test_results_have_every_figure_for_every_method(results):
     assert van["cost_model"]["predicted_speedup"] == 1.0 and van["cost_model"]["draft_ms"] == 0
     pld = res["methods"]["prompt_lookup"]
     assert pld["time_split"]["draft_s"] is None and pld["prompt_lookup_num_tokens"] == 10
-    for name in ("a/heads", "b/heads"):
+    for name in order[2:]:
         m = res["methods"][name]
         assert m["tree"]["size"] == len(m["tree"]["choices"]) + 1 and m["time_split"]["draft_s"] > 0
+        assert m["lookup"] == name.endswith(" +lookup")
+        assert (0 <= m["lookup_steps"] <= m["decode_forwards"]) if m["lookup"] else m["lookup_steps"] is None
         total = sum(p["runs"][name]["new_tokens"] for p in res["prompts"])
         forwards = sum(p["runs"][name]["decode_forwards"] for p in res["prompts"])
         assert m["new_tokens"] == total and m["decode_forwards"] == forwards
@@ -113,15 +117,16 @@ def test_heads_tau_matches_the_speculator_stats(results, setup, tiny_target_dir)
     _, _, heads_a, _ = setup
     model, tokenizer, _ = load_target(str(tiny_target_dir))
     spec = Speculator.from_pretrained(str(heads_a), target=model, tokenizer=tokenizer, tree="default")
-    tokens = forwards = 0
-    for row, record in zip(PROMPTS, res["prompts"]):
-        ids = render_prompt(tokenizer, row["turns"][0], None)
-        assert len(ids) == record["prompt_tokens"]
-        out = spec.generate(ids, 16, stop_token_ids=stop_ids(tokenizer, model))
-        assert out.stats.decode_forwards == record["runs"]["a/heads"]["decode_forwards"]
-        assert out.stats.new_tokens == record["runs"]["a/heads"]["new_tokens"]
-        tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.decode_forwards
-    assert res["methods"]["a/heads"]["tau"] == pytest.approx((tokens - len(PROMPTS)) / forwards)
+    for name, lookup in (("a/heads", False), ("a/heads +lookup", True)):
+        tokens = forwards = 0
+        for row, record in zip(PROMPTS, res["prompts"]):
+            ids = render_prompt(tokenizer, row["turns"][0], None)
+            assert len(ids) == record["prompt_tokens"]
+            out = spec.generate(ids, 16, stop_token_ids=stop_ids(tokenizer, model), lookup=lookup)
+            assert out.stats.decode_forwards == record["runs"][name]["decode_forwards"]
+            assert out.stats.new_tokens == record["runs"][name]["new_tokens"]
+            tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.decode_forwards
+        assert res["methods"][name]["tau"] == pytest.approx((tokens - len(PROMPTS)) / forwards)
 
 
 def test_category_breakdown_and_reports(results, capsys):
@@ -145,7 +150,7 @@ def test_no_prompt_lookup_and_one_heads_dir_via_training_output_dir(setup, tmp_p
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
     rc = main(["--heads", str(heads_a.parent), "--prompts", str(plain), "--num_prompts", "5", "--max_new_tokens",
-               "8", "--output", str(tmp_path / "o"), "--no_prompt_lookup"])
+               "8", "--output", str(tmp_path / "o"), "--no_prompt_lookup", "--lookup", "off"])
     assert rc == 0
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert list(res["methods"]) == ["vanilla", "heads"] and res["categories"] == {}
