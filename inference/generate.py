@@ -1,8 +1,9 @@
-"""Tree speculative decoding with Medusa heads: the decode loop, the `Speculator`, and a CLI.
+"""Tree speculative decoding with Medusa heads or an EAGLE draft: the decode loop, the `Speculator`, and a CLI.
 
 One decode step is a ladder of small functions:
-    propose (draft a tree of candidate tokens) -> verify (one target forward over the whole tree,
-    explicit 4D mask) -> accept (greedy / lossless sampling / typical) -> compact the KV cache.
+    propose (draft a tree of candidate tokens; or a chain found in the context, inference/lookup.py) ->
+    verify (one target forward over the whole tree, explicit 4D mask) -> accept (greedy / lossless sampling /
+    typical) -> compact the KV cache.
 
     spec = Speculator.from_pretrained("path/to/heads")           # loads the target named by the heads
     out = spec.generate(input_ids, max_new_tokens=128)            # greedy: identical to model.generate
@@ -10,7 +11,7 @@ One decode step is a ladder of small functions:
 
 CLI (applies the chat template, streams the text, prints tau and tokens/s):
     python -m inference.generate --heads DIR_OR_ID --prompt "Hi!" --max_new_tokens 64 [--temperature 0.7] \
-        [--tree auto|default|PATH]
+        [--tree auto|default|PATH] [--no_lookup]
 """
 
 from __future__ import annotations
