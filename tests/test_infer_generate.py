@@ -94,7 +94,8 @@ def test_greedy_exact_50_prompts(model_type):
     hist = [0] * (tree.max_depth + 1)
     for i in range(50):
         full = prompts[i].tolist() + refs[i]
-        out = spec.generate(prompts[i], NEW, stop_token_ids=[], proposer=OracleProposer(full, tree, seed=i))
+        out = spec.generate(prompts[i], NEW, stop_token_ids=[], proposer=OracleProposer(full, tree, seed=i),
+                            lookup=False)  # the oracle's tree every step (the random heads below run with lookup)
         assert out.tokens == refs[i], f"{model_type} prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
         forwards += out.stats.decode_forwards
         tokens += out.stats.new_tokens
@@ -167,7 +168,7 @@ def test_untrained_heads_give_tau_close_to_one():
     model = tiny_model("llama", vocab_size=VOCAB, seed=1)
     spec = Speculator(model, random_heads(seed=9))
     prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(10))
-    out = spec.generate(prompt, 128, stop_token_ids=[])
+    out = spec.generate(prompt, 128, stop_token_ids=[], lookup=False)
     # 128 tokens: 1 from the prefill + at least one per decode forward; random heads rarely hit
     assert out.stats.decode_forwards >= 110
     assert 1.0 <= out.stats.tau < 1.2
