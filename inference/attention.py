@@ -4,8 +4,9 @@ transformers' `sdpa` attention copies each key/value head num_key_value_groups t
 gets a mask and more than one query token: exactly the tree-verify forward. torch's SDPA reads grouped heads itself
 (`enable_gqa=True`). `gqa_sdpa(model)` switches an `sdpa` target to that path for one call; it gives the same
 values (tests/test_infer_generate.py checks them equal), and on SmolLM2-135M (9 query heads over 3 key/value heads)
-with 2 CPU cores a 3-token tree step over a 300-token cache drops from 55.1 to 51.4 ms (medians of 40, interleaved:
-`python -m inference.attention`).
+with 2 CPU cores a 3-token tree step drops from 42.7 to 41.2 ms over a 300-token cache, 51.5 to 42.3 ms over
+1000 tokens and 67.2 to 52.9 ms over 1800 (medians of 20, interleaved: `python -m inference.attention`; the gain
+grows with the cache, and with other load on the memory bus: 55.1 -> 51.4 ms at 300 tokens on a busier moment).
 
 On CUDA the fused SDPA kernels take no arbitrary mask with grouped heads, so there the switch is a no-op.
 """
@@ -60,34 +61,37 @@ def gqa_sdpa(model, device: torch.device | str):
 
 
 def main() -> None:
-    """Time a 3-token tree step over a 300-token cache of the embedded target, sdpa vs gqa_sdpa (interleaved)."""
+    """Time a 3-token tree step of the embedded target, sdpa vs gqa_sdpa (interleaved), over 300/1000/1800-token caches."""
+    import importlib
+
     from transformers import DynamicCache
 
     from heads.target import load_target
     from inference.generate import compact_cache, target_forward
     from inference.tree import tree_from_choices
 
+    switch = importlib.import_module("inference.attention")  # the module target_forward reads (not this __main__)
     model, _, _ = load_target("smollm2-135m", "float32")
-    prefix = 300
-    ids = torch.randint(100, 40000, (1, prefix), generator=torch.Generator().manual_seed(0))
     tree = tree_from_choices([[0], [1]])
-    mask = tree.attention_mask(prefix, dtype=torch.float32, device="cpu")
-    positions = tree.position_ids(prefix, device="cpu")
-    cache = DynamicCache()
-    global ENABLED
-    times: dict[str, list[float]] = {"sdpa": [], GQA_SDPA: []}
-    with torch.no_grad():
-        target_forward(model, ids, cache)
-        for _ in range(40):
-            for name in times:
-                ENABLED = name == GQA_SDPA
-                t0 = time.perf_counter()
-                target_forward(model, ids[:, :3], cache, mask, positions)
-                times[name].append(time.perf_counter() - t0)
-                compact_cache(cache, prefix, [])
-    ENABLED = True
-    for name, ts in times.items():
-        print(f"{name}: median {1000 * sorted(ts)[len(ts) // 2]:.1f} ms per 3-token tree step ({torch.get_num_threads()} threads)")
+    for prefix in (300, 1000, 1800):
+        ids = torch.randint(100, 40000, (1, prefix), generator=torch.Generator().manual_seed(0))
+        mask = tree.attention_mask(prefix, dtype=torch.float32, device="cpu")
+        positions = tree.position_ids(prefix, device="cpu")
+        cache = DynamicCache()
+        times: dict[bool, list[float]] = {False: [], True: []}
+        with torch.no_grad():
+            target_forward(model, ids, cache)
+            for _ in range(20):
+                for enabled in times:
+                    switch.ENABLED = enabled
+                    t0 = time.perf_counter()
+                    target_forward(model, ids[:, :3], cache, mask, positions)
+                    times[enabled].append(time.perf_counter() - t0)
+                    compact_cache(cache, prefix, [])
+        switch.ENABLED = True
+        sdpa, gqa = (1000 * sorted(times[k])[len(times[k]) // 2] for k in (False, True))
+        print(f"{prefix}-token cache: sdpa {sdpa:.1f} ms, {GQA_SDPA} {gqa:.1f} ms per 3-token tree step "
+              f"(median of 20, {torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":
