@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 import yaml
 from transformers import HfArgumentParser
@@ -22,6 +23,51 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A recipe or command line that does not match the script's config."""
+
+
+@dataclass
+class TrainRunConfig:
+    """Fields every training script (train/medusa.py, train/eagle.py) shares: target, data, schedule, checkpoints,
+    logging. A script's config subclasses it, adds its method's fields and may redeclare a default."""
+
+    config: Optional[str] = None  # recipe YAML
+    # target and data
+    target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
+    dtype: str = "auto"  # target dtype: auto = bfloat16 on CUDA, float32 on CPU
+    data_dir: str = "runs/sd-chitchat-256"  # a train/selfdistill.py output dir (dataset/ + meta.json)
+    selfdistill_recipe: Optional[str] = None  # used when data_dir holds no dataset yet: self-distil first
+    num_prompts: Optional[int] = 256  # prompts to self-distil when data_dir is empty
+    output_dir: str = "runs/heads"
+    max_length: int = 512  # tokens per row (longer rows are cut)
+    eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
+    train_rows: int = -1  # > 0: train on only the first train_rows rows (data-scaling runs; eval rows unchanged)
+    feature_cache: bool = False  # keep each row's target features in memory after their first use
+    # optimisation
+    per_device_batch_size: int = 4
+    gradient_accumulation_steps: int = 1
+    num_epochs: int = 1
+    max_steps: int = -1  # optimizer steps; > 0 overrides num_epochs (and sets the schedule length)
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    # checkpoints, logging, output
+    checkpoint_every: int = 0  # optimizer steps between accelerate save_state checkpoints; 0 = none
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
+    stop_after_steps: int = -1  # stop after this step as if preempted (schedule unchanged); for tests
+    report_to: str = "none"  # none | wandb | tensorboard
+    log_every: int = 10
+    push_to_hub: Optional[str] = None  # Hub repo id to upload the heads directory to at the end
+
+
+def check_run_config(cfg: TrainRunConfig) -> None:
+    """The checks every training script makes on the shared fields."""
+    if cfg.report_to not in ("none", "wandb", "tensorboard"):
+        raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
+    if cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
+        raise ConfigError("per_device_batch_size and gradient_accumulation_steps must be >= 1")
 
 
 def _find_config_path(argv: list[str]) -> str | None:

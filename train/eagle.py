@@ -65,21 +65,17 @@ from transformers import DynamicCache, get_cosine_schedule_with_warmup
 from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
 from heads.medusa import push_heads_dir
 from heads.target import load_target, resolve_dtype
-from train.config import ConfigError, parse_config
+from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import DataError, collate, pad_features, shard_epoch, shifted_labels, supervised_token_counts
 from train.medusa import ensure_data, latest_checkpoint, prepare_rows, save_checkpoint, setup_wandb_mode
 
 
 @dataclass
-class EagleTrainConfig:
-    config: Optional[str] = None  # recipe YAML
-    # target and data
-    target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
-    dtype: str = "auto"  # target dtype: auto = bfloat16 on CUDA, float32 on CPU
-    data_dir: str = "runs/sd-chitchat-256"  # a train/selfdistill.py output dir (dataset/ + meta.json)
-    selfdistill_recipe: Optional[str] = None  # used when data_dir holds no dataset yet: self-distil first
-    num_prompts: Optional[int] = 256  # prompts to self-distil when data_dir is empty
+class EagleTrainConfig(TrainRunConfig):
     output_dir: str = "runs/eagle"
+    learning_rate: float = 1e-4
+    warmup_ratio: float = 0.05
+    max_grad_norm: float = 0.5
     # draft
     method: str = "eagle3"  # eagle (EAGLE-1) | eagle3
     feature_layers: Optional[list[int]] = None  # HF hidden_states indices; None: eagle [L], eagle3 [2, L//2, L-3]
@@ -91,45 +87,21 @@ class EagleTrainConfig:
     prob_loss_weight: float = 0.1  # eagle: soft cross-entropy weight (eagle3 uses soft CE alone, weight 1)
     init_layer_from_target: bool = False  # start the decoder layer from the target's last layer (matching shapes)
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
-    # data
-    max_length: int = 512  # tokens per row (longer rows are cut)
-    eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
-    train_rows: int = -1  # > 0: train on only the first train_rows rows (eval rows unchanged)
-    feature_cache: bool = False  # keep each row's target features in memory after first use
+    # features on disk (feature_cache keeps them in memory instead)
     feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
     feature_cache_dtype: str = "auto"  # auto = the target's dtype (exactly what online training sees)
     feature_cache_shard_rows: int = 64  # rows per cache file
     build_cache_only: bool = False  # write feature_cache_dir, then stop
-    # optimisation
-    per_device_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    num_epochs: int = 1
-    max_steps: int = -1  # optimizer steps; > 0 overrides num_epochs (and sets the schedule length)
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
+    # optimiser
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
-    warmup_ratio: float = 0.05
-    max_grad_norm: float = 0.5
-    seed: int = 0
-    # checkpoints, logging, output
-    checkpoint_every: int = 0  # optimizer steps between accelerate save_state checkpoints; 0 = none
-    keep_checkpoints: int = 2
-    resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
-    stop_after_steps: int = -1  # stop after this step as if preempted (schedule unchanged); for tests
-    report_to: str = "none"  # none | wandb | tensorboard
-    log_every: int = 10
-    push_to_hub: Optional[str] = None  # Hub repo id to upload the heads directory to at the end
 
 
 def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     """Validate, and return a copy with the method-dependent defaults (None / 0) filled in."""
     if cfg.method not in ("eagle", "eagle3"):
         raise ConfigError(f"method must be 'eagle' or 'eagle3', got {cfg.method!r}")
-    if cfg.report_to not in ("none", "wandb", "tensorboard"):
-        raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
-    if cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
-        raise ConfigError("per_device_batch_size and gradient_accumulation_steps must be >= 1")
+    check_run_config(cfg)
     if cfg.feature_cache and cfg.feature_cache_dir:
         raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
     if cfg.build_cache_only and not cfg.feature_cache_dir:

@@ -52,21 +52,15 @@ from transformers import get_cosine_schedule_with_warmup
 from heads.eagle import most_frequent_tokens
 from heads.medusa import ADAPTER_DIR, MedusaConfig, MedusaHeads, load_medusa_heads, push_heads_dir
 from heads.target import load_target
-from train.config import ConfigError, parse_config
+from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import (DataError, check_columns, collate, pad_features, shard_epoch, shifted_labels, split_eval,
                         supervised_token_counts, truncate_rows)
 
 
 @dataclass
-class MedusaTrainConfig:
-    config: Optional[str] = None  # recipe YAML
-    # target and data
-    target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
-    dtype: str = "auto"  # target dtype: auto = bfloat16 on CUDA, float32 on CPU
-    data_dir: str = "runs/sd-chitchat-256"  # a train/selfdistill.py output dir (dataset/ + meta.json)
-    selfdistill_recipe: Optional[str] = None  # used when data_dir holds no dataset yet: self-distil first
-    num_prompts: Optional[int] = 256  # prompts to self-distil when data_dir is empty
+class MedusaTrainConfig(TrainRunConfig):
     output_dir: str = "runs/medusa"
+    learning_rate: float = 1e-3  # heads (residual blocks; also their own lm_heads unless lm_head_learning_rate is set)
     # heads
     method: str = "medusa"  # medusa (Medusa-1, frozen target) | medusa2 (LoRA on the target, trained jointly)
     num_heads: int = 4
@@ -75,23 +69,8 @@ class MedusaTrainConfig:
     draft_vocab_size: int = 0  # > 0: heads score only this many most frequent target-written tokens (faster)
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
-    # data
-    max_length: int = 512  # tokens per row (longer rows are cut)
-    eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
-    train_rows: int = -1  # > 0: train on only the first train_rows rows (data-scaling runs; eval rows unchanged)
-    feature_cache: bool = False  # Medusa-1: keep each row's target hidden states in memory after the first epoch
-    # optimisation
-    per_device_batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    num_epochs: int = 1
-    max_steps: int = -1  # optimizer steps; > 0 overrides num_epochs (and sets the schedule length)
-    learning_rate: float = 1e-3  # heads (residual blocks; also their own lm_heads unless lm_head_learning_rate is set)
     lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    # Medusa-2
+    # Medusa-2 (feature_cache needs Medusa-1: a frozen target)
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -99,23 +78,14 @@ class MedusaTrainConfig:
     target_learning_rate: float = 1e-4  # the LoRA weights
     medusa2_warmup_steps: int = 0  # heads-only steps before the target is tuned
     medusa2_heads_weight: float = 0.2  # lambda: loss = KL(original || tuned) + lambda * heads loss
-    # checkpoints, logging, output
-    checkpoint_every: int = 0  # optimizer steps between accelerate save_state checkpoints; 0 = none
-    keep_checkpoints: int = 2
-    resume: bool = False  # continue from the newest checkpoint in output_dir/checkpoints
-    stop_after_steps: int = -1  # stop after this step as if preempted (schedule unchanged); for tests
-    report_to: str = "none"  # none | wandb | tensorboard
-    log_every: int = 10
-    push_to_hub: Optional[str] = None  # Hub repo id to upload the heads directory to at the end
 
 
 def check_config(cfg: MedusaTrainConfig) -> None:
     if cfg.method not in ("medusa", "medusa2"):
         raise ConfigError(f"method must be 'medusa' or 'medusa2', got {cfg.method!r}")
-    if cfg.report_to not in ("none", "wandb", "tensorboard"):
-        raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
-    if cfg.num_heads < 1 or cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
-        raise ConfigError("num_heads, per_device_batch_size and gradient_accumulation_steps must be >= 1")
+    check_run_config(cfg)
+    if cfg.num_heads < 1:
+        raise ConfigError(f"num_heads must be >= 1, got {cfg.num_heads}")
     if cfg.draft_vocab_size < 0:
         raise ConfigError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {cfg.draft_vocab_size}")
     if cfg.feature_cache and cfg.method == "medusa2":
