@@ -23,19 +23,16 @@ Tensor names follow vLLM's loaders: `fc.*`, `layers.0.*` (the decoder layer; `hi
 from __future__ import annotations
 
 import inspect
-import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from heads.medusa import CONFIG_NAME, HeadsLoadError, check_target, load_weights, read_heads_config, resolve_heads_dir
+from heads.directory import HeadsModule
 
 METHODS = ("eagle", "eagle3")
 
@@ -99,11 +96,9 @@ def _family_classes(layer_config: PretrainedConfig) -> tuple[type, type]:
     return layer[0], rotary[0]
 
 
-class EagleDraft(nn.Module, PyTorchModelHubMixin, library_name="headstart", tags=["eagle", "speculative-decoding"]):
-    def __init__(self, config: EagleConfig | dict):
+class EagleDraft(HeadsModule):
+    def __init__(self, config: EagleConfig):
         super().__init__()
-        if isinstance(config, dict):
-            config = EagleConfig(**config)
         self.config = config
         h = config.hidden_size
         layer_config = AutoConfig.for_model(**config.layer_config)
@@ -192,29 +187,3 @@ def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
     """The k target ids with the highest counts [V] (ties: lower id first), in increasing id order."""
     order = torch.sort(-counts.double(), stable=True).indices  # most frequent first, ties by id
     return torch.sort(order[:k]).values
-
-
-# ----------------------------------------------------------------------------------------------------
-# Loading a draft directory (local path or Hub id): config.json, model.safetensors
-
-def read_eagle_config(heads_dir: Path) -> EagleConfig:
-    return read_heads_config(heads_dir, EagleConfig, METHODS, "an EAGLE draft")
-
-
-def load_eagle_draft(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
-                     device: str | torch.device = "cpu") -> EagleDraft:
-    """Load an EAGLE-1/3 draft from a local directory or Hub id; with `target_info`, refuse another target's."""
-    heads_dir = resolve_heads_dir(dir_or_id, revision)
-    config = read_eagle_config(heads_dir)
-    if target_info is not None:
-        check_target(config, target_info, where=f"the EAGLE draft in {dir_or_id}")
-    return load_weights(EagleDraft(config), heads_dir).to(device).eval()
-
-
-def heads_method(dir_or_id: str | Path, revision: str | None = None) -> str:
-    """The `method` recorded in a heads directory's config.json ("medusa", "medusa2", "eagle", "eagle3")."""
-    file = resolve_heads_dir(dir_or_id, revision) / CONFIG_NAME
-    try:
-        return str(json.loads(file.read_text()).get("method", ""))
-    except (OSError, json.JSONDecodeError, AttributeError) as err:
-        raise HeadsLoadError(f"cannot read {file}: {err}") from err

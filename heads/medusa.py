@@ -17,22 +17,20 @@ under 1 ms a step on 2 CPU cores, and training 3-5x.
 
 A heads directory (local or on the Hub) holds `config.json` (this module's `MedusaConfig`: method, target
 name/fingerprint/dims), `model.safetensors` (head weights only), `README.md`, `metrics.json` and, for Medusa-2,
-`adapter/` (the target's LoRA adapter; the heads read the adapter-merged target). Load it with
-`load_medusa_heads(dir_or_id, target_info)` (heads only, refuses another target) or
-`load_medusa(dir_or_id, target)` (heads plus the target, adapter merged when there is one).
+`adapter/` (the target's LoRA adapter; the heads read the adapter-merged target). Load it with heads/load.py:
+`load_heads(dir_or_id, target_info)` (heads only, refuses another target) or `load_heads_and_target(dir_or_id)`
+(heads plus the target, adapter merged when there is one).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from huggingface_hub import PyTorchModelHubMixin
 from torch import nn
+
+from heads.directory import HeadsModule
 
 
 @dataclass
@@ -62,11 +60,9 @@ class MedusaBlockStack(nn.Module):
         return x
 
 
-class MedusaHeads(nn.Module, PyTorchModelHubMixin, library_name="headstart", tags=["medusa", "speculative-decoding"]):
-    def __init__(self, config: MedusaConfig | dict):
+class MedusaHeads(HeadsModule):
+    def __init__(self, config: MedusaConfig):
         super().__init__()
-        if isinstance(config, dict):  # as read back from config.json by from_pretrained
-            config = MedusaConfig(**config)
         self.config = config
         if not 0 <= config.draft_vocab_size <= config.vocab_size:
             raise ValueError(f"draft_vocab_size {config.draft_vocab_size} must be in [0, vocab_size {config.vocab_size}]")
@@ -136,180 +132,3 @@ class MedusaHeads(nn.Module, PyTorchModelHubMixin, library_name="headstart", tag
                 raise ValueError("these Medusa heads share the target's lm_head: pass lm_head_weight")
             return feats @ self.draft_lm_head_weight(lm_head_weight).t()  # one matmul over all heads: [K, B, T, V]
         return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
-
-
-# ----------------------------------------------------------------------------------------------------
-# Loading a heads directory (local path or Hub id)
-
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
-ADAPTER_DIR = "adapter"
-
-
-class HeadsLoadError(RuntimeError):
-    """A heads directory that cannot be used: missing/corrupt files, or heads trained for another target."""
-
-
-def resolve_heads_dir(dir_or_id: str | Path, revision: str | None = None) -> Path:
-    """A local heads directory, or a Hub repo id downloaded (or found in the local Hub cache when offline)."""
-    path = Path(dir_or_id).expanduser()
-    if path.is_dir():
-        return path
-    name = str(dir_or_id)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise HeadsLoadError(f"heads {name!r}: no such directory, and not a Hub repo id (owner/name)")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(name, revision=revision))
-    except Exception as err:  # offline without a cached copy, unknown repo, auth...
-        raise HeadsLoadError(
-            f"could not get heads {name!r} from the Hugging Face Hub or the local Hub cache "
-            f"({err.__class__.__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}). Without network, "
-            f"download them elsewhere (`hf download {name} --local-dir DIR`) and pass DIR."
-        ) from err
-
-
-def read_heads_config(heads_dir: Path, config_class: type, methods: tuple[str, ...], what: str):
-    """heads_dir/config.json as `config_class`, if its `method` is one of `methods`; HeadsLoadError otherwise."""
-    file = heads_dir / CONFIG_NAME
-    if not file.is_file():
-        raise HeadsLoadError(f"{heads_dir} has no {CONFIG_NAME}: not a heads directory written by headstart")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise HeadsLoadError(f"{file} is not valid JSON ({err})") from err
-    if not isinstance(raw, dict) or raw.get("method") not in methods:
-        raise HeadsLoadError(f"{file} does not describe {what} (method={raw.get('method') if isinstance(raw, dict) else None!r})")
-    unknown = sorted(set(raw) - {f.name for f in fields(config_class)})
-    if unknown:
-        raise HeadsLoadError(f"{file} has unknown key(s) {unknown}: written by a newer headstart?")
-    try:
-        return config_class(**raw)
-    except (TypeError, ValueError) as err:
-        raise HeadsLoadError(f"{file}: {err}") from err
-
-
-def read_medusa_config(heads_dir: Path) -> MedusaConfig:
-    return read_heads_config(heads_dir, MedusaConfig, ("medusa", "medusa2"), "Medusa heads")
-
-
-def check_target(config: MedusaConfig, target_info: Any, where: str = "these heads") -> None:
-    """Raise HeadsLoadError unless `target_info` (TargetInfo or dict) is the target the heads were trained on."""
-    got = target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info)
-    want = config.target or {}
-    if got.get("hidden_size", config.hidden_size) != config.hidden_size or got.get("vocab_size", config.vocab_size) != config.vocab_size:
-        raise HeadsLoadError(
-            f"{where} were trained for a target with hidden_size={config.hidden_size}, vocab_size={config.vocab_size} "
-            f"({want.get('name')!r}); the given target {got.get('name')!r} has hidden_size={got.get('hidden_size')}, "
-            f"vocab_size={got.get('vocab_size')}"
-        )
-    if want.get("fingerprint") and got.get("fingerprint") and want["fingerprint"] != got["fingerprint"]:
-        raise HeadsLoadError(
-            f"{where} were trained on target {want.get('name')!r} with weight fingerprint {want['fingerprint']}, but the "
-            f"given target {got.get('name')!r} has fingerprint {got['fingerprint']}: other weights (another checkpoint, "
-            "quantisation or fine-tune). Their drafts would rarely be accepted; load the target they were trained on."
-        )
-
-
-def load_medusa_heads(
-    dir_or_id: str | Path,
-    target_info: Any = None,
-    *,
-    revision: str | None = None,
-    device: str | torch.device = "cpu",
-) -> MedusaHeads:
-    """Load Medusa heads from a local directory or Hub id; with `target_info`, refuse heads of another target.
-
-    For Medusa-2 heads (`config.adapter`), the target must have the adapter in `adapter/` merged: use `load_medusa`.
-    """
-    heads_dir = resolve_heads_dir(dir_or_id, revision)
-    config = read_medusa_config(heads_dir)
-    if target_info is not None:
-        check_target(config, target_info, where=f"the heads in {dir_or_id}")
-    return load_weights(MedusaHeads(config), heads_dir).to(device).eval()
-
-
-def load_weights(module: nn.Module, heads_dir: Path) -> nn.Module:
-    """Load heads_dir/model.safetensors into `module` (strict); HeadsLoadError names a missing/corrupt/mismatched file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    weights = heads_dir / WEIGHTS_NAME
-    if not weights.is_file():
-        raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the weights are missing (interrupted save or upload?)")
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the heads") from err
-    try:
-        module.load_state_dict(state, strict=True)
-    except (RuntimeError, ValueError, IndexError) as err:
-        raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {str(err).splitlines()[0]}") from err
-    return module
-
-
-def load_medusa(
-    dir_or_id: str | Path,
-    target: Any = None,
-    *,
-    revision: str | None = None,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-):
-    """Heads plus the target they need: returns (heads, model, tokenizer, target_info).
-
-    `target`: None (load the target named in the heads' config), a name/path for `heads.target.load_target`, or an
-    already loaded (model, tokenizer, TargetInfo). The target is checked against the recorded fingerprint; when the
-    heads directory has `adapter/` (Medusa-2), the LoRA adapter is merged into the returned model.
-    """
-    from heads.target import load_target
-
-    heads_dir = resolve_heads_dir(dir_or_id, revision)
-    config = read_medusa_config(heads_dir)
-    if target is None:
-        if not config.target.get("name"):
-            raise HeadsLoadError(f"{heads_dir}/{CONFIG_NAME} names no target: pass one")
-        target = config.target["name"]
-    model, tokenizer, info = load_target(target, dtype, device) if isinstance(target, (str, Path)) else target
-    heads = load_medusa_heads(heads_dir, info, device=device)
-    if config.adapter:
-        model = merge_adapter(model, heads_dir / ADAPTER_DIR)
-    return heads.to(dtype=next(model.parameters()).dtype), model, tokenizer, info
-
-
-def merge_adapter(model, adapter_dir: Path):
-    """The target with the Medusa-2 LoRA adapter merged in (eval mode, no grad)."""
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise HeadsLoadError(f"these heads need the target's LoRA adapter, but {adapter_dir} has no adapter_config.json")
-    from peft import PeftModel
-
-    try:
-        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
-    except Exception as err:
-        raise HeadsLoadError(f"could not load the LoRA adapter in {adapter_dir}: {err}") from err
-    merged.eval()
-    merged.requires_grad_(False)
-    return merged
-
-
-def push_heads_dir(heads_dir: str | Path, repo_id: str, private: bool = False) -> bool:
-    """Upload a heads directory (adapter included) to the Hub. On failure keep the local copy, say how to retry."""
-    heads_dir = Path(heads_dir)
-    try:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(heads_dir), repo_id=repo_id, repo_type="model")
-    except Exception as err:  # no network, no token, no permission...
-        first = str(err).splitlines()[0][:300] if str(err) else ""
-        print(
-            f"push to the Hub failed ({err.__class__.__name__}: {first}).\n"
-            f"The heads are kept in {heads_dir}. Retry later with\n"
-            f"    hf upload {repo_id} {heads_dir} .        (or: huggingface-cli upload {repo_id} {heads_dir} .)\n"
-            f"or in Python: huggingface_hub.HfApi().upload_folder(folder_path='{heads_dir}', repo_id='{repo_id}')"
-        )
-        return False
-    print(f"pushed {heads_dir} to https://huggingface.co/{repo_id}")
-    return True

@@ -1,0 +1,95 @@
+"""The one way to load a heads directory (local path or Hub id): Medusa heads or an EAGLE draft, strictly.
+
+    heads = load_heads("runs/medusa-smollm2/heads", target_info)            # refuses another target's heads
+    heads, model, tokenizer, info = load_heads_and_target("user/repo")      # plus the target the heads name
+
+The config is read and checked (method, known keys), the module built from it, and every tensor of
+model.safetensors must match it by name and shape (heads/directory.py). Medusa-2 heads come with the
+target's LoRA adapter (`adapter/`), merged into the returned target.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from heads.directory import ADAPTER_DIR, HeadsLoadError, check_target, load_state, read_config, read_method, resolve_heads_dir
+from heads.eagle import EagleConfig, EagleDraft
+from heads.eagle import METHODS as EAGLE_METHODS
+from heads.medusa import MedusaConfig, MedusaHeads
+
+MEDUSA_METHODS = ("medusa", "medusa2")
+
+
+def load_heads(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
+               device: str | torch.device = "cpu") -> MedusaHeads | EagleDraft:
+    """Medusa heads or an EAGLE draft from a local directory or Hub id, in eval mode; with `target_info`
+    (TargetInfo or dict), heads trained for another target are refused."""
+    heads_dir = resolve_heads_dir(dir_or_id, revision)
+    method = read_method(heads_dir)
+    if method in EAGLE_METHODS:
+        config, module_class = read_config(heads_dir, EagleConfig, EAGLE_METHODS, "an EAGLE draft"), EagleDraft
+    elif method in MEDUSA_METHODS:
+        config, module_class = read_config(heads_dir, MedusaConfig, MEDUSA_METHODS, "Medusa heads"), MedusaHeads
+    else:
+        raise HeadsLoadError(f"{heads_dir}/config.json has method {method!r}; headstart loads "
+                             f"{', '.join(MEDUSA_METHODS + EAGLE_METHODS)}")
+    if target_info is not None:
+        check_target(config, target_info, where=f"the heads in {dir_or_id}")
+    try:
+        module = module_class(config)
+    except (TypeError, ValueError) as err:
+        raise HeadsLoadError(f"{heads_dir}/config.json: {err}") from err
+    return load_state(module, heads_dir).to(device).eval()
+
+
+def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision: str | None = None,
+                          dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+    """Heads plus the target they need: returns (heads, model, tokenizer, target_info).
+
+    `target`: None (load the target named in the heads' config), a name/path for `heads.target.load_target`, a
+    loaded model (its fingerprint is computed; tokenizer None), or a loaded (model, tokenizer, TargetInfo). The
+    target is checked against the recorded fingerprint. When the heads directory has `adapter/` (Medusa-2) the
+    LoRA adapter is merged into the returned model (a model passed in is copied first, never modified).
+    """
+    from heads.target import load_target, target_info
+
+    heads_dir = resolve_heads_dir(dir_or_id, revision)
+    method = read_method(heads_dir)
+    if target is None:
+        named = read_config(heads_dir, EagleConfig if method in EAGLE_METHODS else MedusaConfig,
+                            EAGLE_METHODS + MEDUSA_METHODS, "heads").target.get("name")
+        if not named:
+            raise HeadsLoadError(f"{heads_dir}/config.json names no target: pass one (a model or its path)")
+        target = named
+    if isinstance(target, (str, Path)):
+        model, tokenizer, info = load_target(str(target), dtype, device)
+    elif isinstance(target, tuple):
+        model, tokenizer, info = target
+    else:
+        model, tokenizer = target, None
+        info = target_info(getattr(model.config, "_name_or_path", "") or type(model).__name__, model)
+    heads = load_heads(heads_dir, info, device=device)
+    if getattr(heads.config, "adapter", False):
+        owned = isinstance(target, (str, Path))
+        model = merge_adapter(model if owned else copy.deepcopy(model), heads_dir / ADAPTER_DIR)
+    return heads.to(dtype=next(model.parameters()).dtype), model, tokenizer, info
+
+
+def merge_adapter(model, adapter_dir: Path):
+    """The target with the Medusa-2 LoRA adapter merged in (eval mode, no grad)."""
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise HeadsLoadError(f"these heads need the target's LoRA adapter, but {adapter_dir} has no adapter_config.json; "
+                             "re-download the heads directory with its adapter/ folder")
+    from peft import PeftModel
+
+    try:
+        merged = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
+    except Exception as err:
+        raise HeadsLoadError(f"could not load the LoRA adapter in {adapter_dir}: {err}") from err
+    merged.eval()
+    merged.requires_grad_(False)
+    return merged
