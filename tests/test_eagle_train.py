@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from heads.eagle import EagleDraft, eagle_config_for, load_eagle_draft, most_frequent_tokens
+from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
+from heads.load import load_heads
 from heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
 from train.config import ConfigError, parse_config
@@ -202,7 +203,7 @@ def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, method, 
     assert {"config.json", "model.safetensors", "README.md", "metrics.json"} <= {p.name for p in heads_dir.iterdir()}
     assert json.loads((heads_dir / "metrics.json").read_text())["top1"] == metrics["top1"]
     _, _, info = load_target(str(llama_dir))
-    draft = load_eagle_draft(heads_dir, info)
+    draft = load_heads(heads_dir, info)
     assert draft.config.method == method and info.fingerprint in (heads_dir / "README.md").read_text()
     if method == "eagle3":
         assert draft.config.draft_vocab_size == 64 and int(draft.t2d.sum()) == 64
@@ -218,7 +219,7 @@ def test_qwen2_target_and_layer_init(tmp_path, one_thread):
                         "--report_to", "tensorboard", "--log_every", "1"))
     assert list((tmp_path / "out").rglob("events.out.tfevents.*"))
     target, _, info = load_target(str(target_dir))
-    draft = load_eagle_draft(tmp_path / "out" / "heads", info)
+    draft = load_heads(tmp_path / "out" / "heads", info)
     assert metrics["steps"] == 3 and draft.config.layer_config["model_type"] == "qwen2"
     fresh = EagleDraft(draft.config)
     fresh.set_draft_vocab(torch.nonzero(draft.t2d).squeeze(-1))

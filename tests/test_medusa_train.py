@@ -15,7 +15,7 @@ import datasets
 import pytest
 import torch
 
-from heads.medusa import load_medusa, load_medusa_heads
+from heads.load import load_heads, load_heads_and_target
 from heads.target import load_target
 from train.config import ConfigError
 from train.data import DataError
@@ -82,7 +82,7 @@ def test_train_writes_heads_dir(tiny_target_dir, sd_dir, tmp_path):
     assert "Medusa-1" in card and info.fingerprint in card and "| 1 |" in card
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(log) == 30 and log[-1]["loss"] < log[0]["loss"]  # it learns the repeated patterns
-    heads = load_medusa_heads(heads_dir, info)
+    heads = load_heads(heads_dir, info)
     assert heads.config.num_heads == 3
 
 
@@ -161,7 +161,7 @@ def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):
     assert [r["loss"] == pytest.approx(r["heads_loss"]) for r in log[:2]] == [True, True]
     assert log[2]["kl"] == pytest.approx(0.0, abs=1e-6) and log[2]["loss"] == pytest.approx(0.2 * log[2]["heads_loss"])
     assert all(r["kl"] > 0 for r in log[3:])
-    heads, model, _, info = load_medusa(heads_dir, str(tiny_target_dir))
+    heads, model, _, info = load_heads_and_target(heads_dir, str(tiny_target_dir))
     base, _, _ = load_target(str(tiny_target_dir))
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     merged_logits = model(ids).logits
@@ -206,7 +206,7 @@ def test_failed_push_keeps_local_copy(tiny_target_dir, sd_dir, tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "push to the Hub failed" in out and "hf upload someone/medusa-test" in out
     assert (tmp_path / "heads" / "model.safetensors").is_file()
-    load_medusa_heads(tmp_path / "heads")
+    load_heads(tmp_path / "heads")
 
 
 def test_every_medusa_recipe_parses():
@@ -227,7 +227,7 @@ def test_draft_vocabulary_is_the_most_frequent_tokens(tiny_target_dir, sd_dir, t
 
     metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--num_epochs", "2", "--draft_vocab_size", "24"))
     _, _, info = load_target(str(tiny_target_dir))
-    heads = load_medusa_heads(tmp_path / "heads", info)
+    heads = load_heads(tmp_path / "heads", info)
     assert heads.config.draft_vocab_size == 24 and heads.token_map.shape == (24,)
     train_rows = datasets.load_from_disk(str(sd_dir / "dataset")).select(range(20))
     counts = supervised_token_counts([dict(r) for r in train_rows], info.vocab_size)

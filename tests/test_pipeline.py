@@ -2,7 +2,7 @@
 
 import json
 
-from heads.medusa import load_medusa_heads
+from heads.load import load_heads
 from train.medusa import main as medusa_main
 from train.selfdistill import load_selfdistilled
 
@@ -21,7 +21,7 @@ def test_medusa_self_distils_first_when_data_is_missing(tiny_target_dir, tmp_pat
     dataset, meta = load_selfdistilled(data_dir)
     assert len(dataset) == 8 and meta["generation"]["num_prompts"] == 8 and meta["generation"]["max_new_tokens"] == 10
     assert meta["target"]["name"] == str(tiny_target_dir)
-    heads = load_medusa_heads(out / "heads")
+    heads = load_heads(out / "heads")
     assert heads.config.num_heads == 2 and heads.config.target["fingerprint"] == meta["target"]["fingerprint"]
     metrics = json.loads((out / "heads" / "metrics.json").read_text())
     assert metrics["steps"] == 2 and len(metrics["top1"]) == 2

@@ -63,7 +63,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, get_cosine_schedule_with_warmup
 
 from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
-from heads.medusa import push_heads_dir
+from heads.directory import push_heads_dir
 from heads.target import load_target, resolve_dtype
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import DataError, collate, pad_features, shard_epoch, shifted_labels, supervised_token_counts

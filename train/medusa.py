@@ -50,7 +50,9 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from heads.eagle import most_frequent_tokens
-from heads.medusa import ADAPTER_DIR, MedusaConfig, MedusaHeads, load_medusa_heads, push_heads_dir
+from heads.directory import ADAPTER_DIR, push_heads_dir
+from heads.load import load_heads
+from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import (DataError, check_columns, collate, pad_features, shard_epoch, shifted_labels, split_eval,
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     heads.init_lm_heads_from(lm_head_weight)
     if cfg.init_heads_from:
-        start = load_medusa_heads(cfg.init_heads_from, info)
+        start = load_heads(cfg.init_heads_from, info)
         shape = ("num_heads", "num_layers", "share_lm_head", "draft_vocab_size")
         if any(getattr(start.config, k) != getattr(cfg, k) for k in shape):
             raise ConfigError(f"init_heads_from {cfg.init_heads_from}: its {'/'.join(shape)} "
