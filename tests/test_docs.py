@@ -1,0 +1,215 @@
+"""Every command README.md, each recipe's header and `make demo` show is run here, so the docs cannot drift.
+
+Commands run in order in one scratch directory (so `runs/...` written by one feeds the next, as for a user),
+in-process, on a tiny target with a few prompts and steps: flags appended at the end override the shown ones
+(the scripts take the last value). An `accelerate launch` command has its launcher flags parsed by accelerate's
+own parser (the config file must exist) and its script run in this process: the GPU launches (8 GPUs,
+DeepSpeed, FSDP) cannot run on a CPU, and the two-process CPU path has its own tests. Each command must
+leave what its script promises (a dataset, a heads directory, a benchmark report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHERS = (("accelerate", "launch"), ("python", "-m", "accelerate.commands.launch"))
+
+
+def join_continuations(lines: list[str]) -> list[str]:
+    out, pending = [], ""
+    for line in lines:
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        out.append((pending + line).strip())
+        pending = ""
+    return [line for line in out if line]
+
+
+def readme_commands() -> list[str]:
+    """Shell commands of the README's ```bash blocks, then its inline `python ...` / `accelerate launch ...`."""
+    text = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        commands += join_continuations(block.splitlines())
+    prose = re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " ")
+    for inline in re.findall(r"`((?:python|accelerate launch) [^`]+)`", prose):
+        commands.append(re.sub(r"\s+", " ", inline))
+    return [c for c in commands if not c.startswith(("pip ", "make "))]
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def recipe_commands(path: Path) -> list[str]:
+    """The commands in a recipe's header comment (lines with `python ...` or `accelerate launch ...`)."""
+    header = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line.lstrip("#"))
+    commands = []
+    for line in join_continuations(header):
+        match = re.search(r"(python |accelerate launch ).*", line)
+        if match:
+            commands.append(re.split(r"\s{2,}\(", match.group(0))[0].strip())  # drop a trailing "   (remark)"
+    return commands
+
+
+def demo_commands() -> list[str]:
+    """`make demo`'s commands as make would run them (setup's pip installs are .ci/run's own)."""
+    dry = subprocess.run(["make", "-n", "demo", "PYTHON=python", "RUN=runs"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    commands = []
+    for line in join_continuations(dry.splitlines()):
+        line = line.split("||")[-1].strip()  # `test -f DONE || python ...`: run the stage
+        if line.startswith(("python ", "accelerate ")) and "-m pip" not in line:
+            commands.append(line)
+    return commands
+
+
+def all_commands() -> list[tuple[str, str]]:
+    """(where shown, command), each distinct command once, in the order a reader meets them."""
+    out = [("README", c) for c in readme_commands()]
+    for path in sorted((ROOT / "recipes").rglob("*.yaml")):
+        out += [(str(path.relative_to(ROOT)), c) for c in recipe_commands(path)]
+    out += [("make demo", c) for c in demo_commands()]
+    seen, unique = set(), []
+    for where, command in out:
+        key = " ".join(shlex.split(command))
+        if key not in seen:
+            seen.add(key)
+            unique.append((where, command))
+    return unique
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reductions: what is appended to a command's script arguments
+
+
+def recipe_field(args: list[str], key: str):
+    if "--config" not in args:
+        return None
+    return (yaml.safe_load((ROOT / args[args.index("--config") + 1]).read_text()) or {}).get(key)
+
+
+def reduce_args(module: str, args: list[str], target: str) -> list[str]:
+    if module == "train.selfdistill":
+        return args + ["--target", target, "--num_prompts", "6", "--max_new_tokens", "8"]
+    if module in ("train.medusa", "train.eagle"):
+        extra = ["--target", target, "--num_prompts", "10", "--max_steps", "2", "--eval_rows", "2",
+                 "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1",
+                 "--report_to", "none"]
+        if (recipe_field(args, "draft_vocab_size") or 0) > 64:
+            extra += ["--draft_vocab_size", "64"]  # the tiny target's vocabulary is 320 tokens
+        return args + extra
+    if module == "inference.generate":
+        return args + ["--max_new_tokens", "8"]
+    if module == "inference.bench":
+        return args + ["--num_prompts", "2", "--max_new_tokens", "8"]
+    if module == "inference.forward":
+        return args + ["--target", target, "--repeats", "2"]
+    return args
+
+
+def script_and_args(command: str) -> tuple[str, list[str]]:
+    """-> (module to run, its argv). Launcher flags are checked with accelerate's parser."""
+    words = shlex.split(command, comments=True)
+    for launcher in LAUNCHERS:
+        if tuple(words[: len(launcher)]) == launcher:
+            from accelerate.commands.launch import launch_command_parser
+
+            launch = launch_command_parser().parse_args(words[len(launcher):])
+            if launch.config_file:
+                assert (ROOT / launch.config_file).is_file(), f"{command}: no {launch.config_file}"
+            words = ["python", launch.training_script, *launch.training_script_args]
+            break
+    assert words[0] == "python", f"not a python command: {command}"
+    if words[1] in ("-m", "-c"):
+        return words[2], words[3:]
+    assert words[1].endswith(".py") and (ROOT / words[1]).is_file(), f"{command}: no script {words[1]}"
+    return words[1][:-3].replace("/", "."), words[2:]
+
+
+def last_value(args: list[str], flag: str, default=None):
+    values = [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
+    return values[-1] if values else default
+
+
+def check_outputs(module: str, args: list[str], printed: str) -> None:
+    """What the script promises to leave behind."""
+    if module == "train.selfdistill":
+        out = Path(last_value(args, "--output_dir", recipe_field(args, "output_dir")))
+        assert (out / "dataset").is_dir() and (out / "meta.json").is_file()
+    elif module in ("train.medusa", "train.eagle"):
+        out = Path(last_value(args, "--output_dir", recipe_field(args, "output_dir")))
+        assert (out / "heads" / "config.json").is_file() and (out / "heads" / "model.safetensors").is_file()
+        if last_value(args, "--init_heads_from"):
+            assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
+    elif module == "inference.bench":
+        out = Path(last_value(args, "--output"))
+        assert (out / "results.json").is_file() and (out / "results.md").is_file()
+    elif module == "inference.generate":
+        assert "tau" in printed
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A scratch directory that sees the repo's recipes, as a user's checkout would."""
+    path = tmp_path_factory.mktemp("docs")
+    (path / "recipes").symlink_to(ROOT / "recipes")
+    return path
+
+
+COMMANDS = all_commands()
+
+
+@pytest.mark.parametrize("where,command", COMMANDS, ids=[f"{w}:{i}" for i, (w, _) in enumerate(COMMANDS)])
+def test_documented_command_runs(where, command, workdir, tiny_target_dir, monkeypatch, one_thread):
+    module, args = script_and_args(command)
+    args = reduce_args(module, args, str(tiny_target_dir))
+    monkeypatch.chdir(workdir)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        if module == "-c":  # python -c CODE
+            result = exec(compile(args[0], command, "exec"), {})
+        else:
+            result = importlib.import_module(module).main(args)
+    assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
+    check_outputs(module, args, printed.getvalue())
+
+
+def test_readme_python_runs(workdir, monkeypatch, one_thread):
+    blocks = readme_python_blocks()
+    assert blocks, "README shows no Python example"
+    monkeypatch.chdir(workdir)  # after the commands above: runs/medusa-smollm2/heads exists
+    for block in blocks:
+        namespace: dict = {}
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(compile(block, "README.md", "exec"), namespace)
+        assert namespace["out"].stats.new_tokens > 0
+
+
+def test_readme_install_lines_are_what_ci_and_make_setup_run():
+    readme = re.findall(r"^pip install ([^#\n]*?)\s*(?:#.*)?$", (ROOT / "README.md").read_text(), flags=re.M)
+    makefile, ci = (ROOT / "Makefile").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert len(readme) == 3
+    for args in readme:
+        assert f"pip install {args}" in makefile, args
+        assert f"pip install -q {args}" in ci, args
+
+
+def test_every_recipe_header_shows_a_command():
+    for path in sorted((ROOT / "recipes").rglob("*.yaml")):
+        assert recipe_commands(path), f"{path} shows no launch command in its header"
