@@ -31,12 +31,13 @@ class TrainRunConfig:
     logging. A script's config subclasses it, adds its method's fields and may redeclare a default."""
 
     config: Optional[str] = None  # recipe YAML
+    method: str = ""  # each script's config sets its default and checks the value
     # target and data
     target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
     dtype: str = "auto"  # target dtype: auto = bfloat16 on CUDA, float32 on CPU
-    data_dir: str = "runs/sd-chitchat-256"  # a train/selfdistill.py output dir (dataset/ + meta.json)
+    data_dir: str = "runs/sd-mix-768"  # a train/selfdistill.py output dir (dataset/ + meta.json)
     selfdistill_recipe: Optional[str] = None  # used when data_dir holds no dataset yet: self-distil first
-    num_prompts: Optional[int] = 256  # prompts to self-distil when data_dir is empty
+    num_prompts: Optional[int] = 768  # prompts (chat + code, taken in turn) to self-distil when data_dir is empty
     output_dir: str = "runs/heads"
     max_length: int = 512  # tokens per row (longer rows are cut)
     eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)

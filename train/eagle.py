@@ -10,6 +10,7 @@ Multi-GPU (DDP):
     accelerate launch --config_file recipes/accelerate/multi-gpu.yaml train/eagle.py \
         --config recipes/llama-3.1-8b-instruct/eagle3.yaml --output_dir runs/eagle3-llama8b
 Preempted? Run the same command with --resume: it continues from the newest checkpoint in DIR/checkpoints.
+The run itself (data, schedule, resume, logging, checkpoints, heads directory) is train/loop.py's.
 
 Alignment (what inference does): draft position t reads the pair (feature f_t, token x_{t+1}) at position id t and
 predicts the target's next feature f_{t+1} and its distribution p_{t+1} = softmax(target logits at t+1), i.e. the
@@ -31,7 +32,7 @@ The loss is a mean over supervised positions of the whole global batch (per unro
 give the same loss and gradients as 1 process x batch N*b.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json), DIR/checkpoints, DIR/train_log.jsonl.
-Load the draft with `heads.eagle.load_eagle_draft(DIR/heads, target_info)`.
+Load the draft with `heads.load.load_heads(DIR/heads, target_info)`.
 metrics.json (held-out rows = the last `eval_rows` rows): per draft depth d = 1..eval_depth (the draft unrolled on its
 own outputs along the true tokens, as at inference): `top1`, `top5`, `rank_accuracy` [depth][10] (P(the data token is
 exactly the rank-r draft guess), for sizing trees), `eval_positions`; `chain_accepted_tokens` (mean drafted tokens a
@@ -41,33 +42,27 @@ positions); EAGLE-3: `draft_vocab_coverage` (share of held-out supervised tokens
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import math
 import shutil
-import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from torch import nn
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import DynamicCache, get_cosine_schedule_with_warmup
+from transformers import DynamicCache
 
 from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
-from heads.directory import push_heads_dir
-from heads.target import load_target, resolve_dtype
+from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
-from train.data import DataError, collate, pad_features, shard_epoch, shifted_labels, supervised_token_counts
-from train.medusa import ensure_data, latest_checkpoint, prepare_rows, save_checkpoint, setup_wandb_mode
+from train.data import DataError, collate, pad_features, shifted_labels, supervised_token_counts
+from train.loop import Run, accumulate, accuracy_table, card_facts, finish_run, rank_summary, run_main, start_run, train
 
 
 @dataclass
@@ -131,12 +126,6 @@ def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tenso
     hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
                                   use_cache=False).hidden_states  # L + 1 tensors [B, T, h]
     return torch.cat([hidden[i] for i in feature_layers], dim=-1), hidden[-1]
-
-
-def cache_estimate(num_tokens: int, tap_dim: int, hidden: int, taps_are_final: bool, dtype: torch.dtype) -> int:
-    """Bytes an offline feature cache takes: per token the taps and the final hidden state (once if they coincide)."""
-    per_token = (0 if taps_are_final else tap_dim) + hidden
-    return num_tokens * per_token * torch.finfo(dtype).bits // 8
 
 
 class FeatureSource:
@@ -235,8 +224,8 @@ def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, acce
             diff = sorted(k for k in identity if written_for.get(k) != identity[k])
             raise ConfigError(f"the feature cache in {cache_dir} was written for other rows, target or settings "
                               f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
-    tap_dim = len(source.layers) * hidden
-    size = cache_estimate(identity["tokens"], tap_dim, hidden, source.taps_are_final, source.cache_dtype)
+    per_token = hidden + (0 if source.taps_are_final else len(source.layers) * hidden)  # the final state, the taps
+    size = identity["tokens"] * per_token * torch.finfo(source.cache_dtype).bits // 8
     missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
     accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
                       f"{size / 2**20:.1f} MiB in {identity['dtype']} ({source.num_shards} shards, {len(missing)} to write)")
@@ -468,16 +457,8 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
         counts[4] += prep["select"].sum()
     rank_counts = accelerator.reduce(rank_counts, "sum")
     counts = accelerator.reduce(counts, "sum")
-    totals = rank_counts.sum(-1).clamp(min=1)
-    rank_acc = rank_counts[:, :R] / totals[:, None]  # [D, 10]
-    out = {
-        "top1": [round(float(a), 4) for a in rank_acc[:, 0]],
-        "top5": [round(float(a), 4) for a in rank_acc[:, :5].sum(-1)],
-        "rank_accuracy": [[round(float(a), 5) for a in row] for row in rank_acc],
-        "eval_positions": [int(t) for t in rank_counts.sum(-1)],
-        "chain_accepted_tokens": round(float(counts[3] / counts[4].clamp(min=1)), 4),
-        "target_top1": round(float(counts[0] / counts[1].clamp(min=1)), 4),
-    }
+    out = {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(counts[3] / counts[4].clamp(min=1)), 4),
+           "target_top1": round(float(counts[0] / counts[1].clamp(min=1)), 4)}
     if draft.is_eagle3:
         out["draft_vocab_coverage"] = round(float(counts[2] / counts[1].clamp(min=1)), 4)
     return out
@@ -487,13 +468,14 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
 # output
 
 
+
+
 def model_card(cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> str:
     if cfg.method == "eagle3":
         method = (f"EAGLE-3: features from target layers {metrics['feature_layers']} fused, one decoder layer, own lm_head "
                   f"over a {metrics['draft_vocab_size']}-token draft vocabulary, training-time test over {cfg.ttt_steps} steps")
     else:
         method = "EAGLE-1: the target's final hidden state + next token -> one decoder layer -> the target's lm_head"
-    rows = "\n".join(f"| {d + 1} | {t1:.3f} | {t5:.3f} |" for d, (t1, t5) in enumerate(zip(metrics["top1"], metrics["top5"])))
     coverage = (f"\nShare of held-out target-written tokens inside the draft vocabulary: {metrics['draft_vocab_coverage']:.3f}\n"
                 if "draft_vocab_coverage" in metrics else "")
     return f"""---
@@ -503,65 +485,28 @@ tags: [{cfg.method}, speculative-decoding]
 # {"EAGLE-3" if cfg.method == "eagle3" else "EAGLE-1"} draft for `{info.name}`
 
 - Method: {method}
-- Target: `{info.name}` ({info.model_type}, hidden {info.hidden_size}, vocab {info.vocab_size}, fingerprint `{info.fingerprint}`)
-- Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, {stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}
-- Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup, {metrics['train_seconds']:.0f} s
+{card_facts(cfg, info, stats, metrics)}
 
 Held-out accuracy at draft depth d (the draft run on its own outputs along the true tokens, as in a tree):
 
-| depth | top-1 | top-5 |
-|---|---|---|
-{rows}
+{accuracy_table("depth", metrics)}
 
 Mean drafted tokens a greedy chain of {len(metrics['top1'])} would get accepted: {metrics['chain_accepted_tokens']:.3f}
 Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}
 {coverage}
 ```python
-from heads.eagle import load_eagle_draft
-draft = load_eagle_draft("THIS_DIR_OR_REPO", target_info)
+from heads.load import load_heads
+draft = load_heads("THIS_DIR_OR_REPO", target_info)
 ```
 """
-
-
-def save_heads(heads_dir: Path, draft: EagleDraft, cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> None:
-    heads_dir.mkdir(parents=True, exist_ok=True)
-    draft.save_pretrained(heads_dir)
-    (heads_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    (heads_dir / "README.md").write_text(model_card(cfg, info, stats, metrics))
 
 
 # ----------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = check_config(parse_config(EagleTrainConfig, argv))
-    output_dir = Path(cfg.output_dir)
-    eagle3 = cfg.method == "eagle3"
-
-    # 1. data: self-distil first if data_dir is empty (this starts accelerate's state, so it comes first)
-    dataset, meta = ensure_data(cfg)
-    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if cfg.report_to == "wandb":
-        setup_wandb_mode()
-    accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
-        mixed_precision="bf16" if cuda_bf16 else "no",
-        log_with=None if cfg.report_to == "none" else cfg.report_to,
-        project_dir=str(output_dir),
-    )
-    set_seed(cfg.seed)
-    log = accelerator.print
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-    # 2. target (frozen) and rows
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
-    target, tokenizer, info = load_target(cfg.target, dtype, accelerator.device)
-    target.requires_grad_(False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_rows, eval_rows, stats = prepare_rows(dataset, meta, info, cfg)
-    log(f"target {info.name} ({info.fingerprint}); {stats}")
-
-    # 3. draft: config, draft vocabulary, initialisation
+def build_draft(run: Run, cfg: EagleTrainConfig) -> EagleDraft:
+    """The draft for the target: its config (feature taps checked), draft vocabulary, initialisation."""
+    target, info = run.target, run.info
     try:
         draft_config = eagle_config_for(target, cfg.method, cfg.draft_vocab_size, cfg.feature_layers, info)
     except ValueError as err:
@@ -569,166 +514,79 @@ def main(argv: list[str] | None = None) -> dict:
     L = info.num_hidden_layers
     if not all(0 <= i <= L for i in draft_config.feature_layers):
         raise ConfigError(f"feature_layers {draft_config.feature_layers} must be hidden_states indices in 0..{L}")
-    if not eagle3 and draft_config.feature_layers != [L]:
+    if cfg.method == "eagle" and draft_config.feature_layers != [L]:
         raise ConfigError(f"EAGLE-1 reads the final-norm hidden state (feature_layers [{L}]), "
                           f"got {draft_config.feature_layers}")
     draft = EagleDraft(draft_config)
-    if eagle3:
-        counts = supervised_token_counts(train_rows, info.vocab_size)
+    if draft.is_eagle3:
+        counts = supervised_token_counts(run.train_rows, info.vocab_size)
         draft.set_draft_vocab(most_frequent_tokens(counts, draft_config.draft_vocab_size))
         covered = int(counts[draft.t2d].sum()) / max(int(counts.sum()), 1)
-        log(f"draft vocabulary: {draft_config.draft_vocab_size} of {info.vocab_size} target tokens cover "
-            f"{covered:.4f} of the target-written training tokens")
+        run.log(f"draft vocabulary: {draft_config.draft_vocab_size} of {info.vocab_size} target tokens cover "
+                f"{covered:.4f} of the target-written training tokens")
     initialised = init_from_target(draft, target, cfg.init_layer_from_target)
     if initialised:
-        log(f"initialised from the target: {', '.join(initialised)}")
-    draft.to(accelerator.device)
-    model = UnrolledDraft(draft)
+        run.log(f"initialised from the target: {', '.join(initialised)}")
+    return draft.to(run.accelerator.device)
 
-    # 4. features: online, in memory, or an offline cache on disk (written first if missing)
-    all_rows = train_rows + eval_rows
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = check_config(parse_config(EagleTrainConfig, argv))
+    eagle3 = cfg.method == "eagle3"
+    run = start_run(cfg)
+    accelerator, target = run.accelerator, run.target
+    draft = build_draft(run, cfg)
+    layers = draft.config.feature_layers
+
+    # features: online, in memory, or an offline cache on disk (written first if missing)
+    all_rows = run.train_rows + run.eval_rows
     mode = "disk" if cfg.feature_cache_dir else ("memory" if cfg.feature_cache else "online")
     cache_dtype = target.dtype if cfg.feature_cache_dtype == "auto" else resolve_dtype(cfg.feature_cache_dtype)
-    source = FeatureSource(target, all_rows, draft_config.feature_layers, mode, Path(cfg.feature_cache_dir or "."),
-                           cache_dtype, cfg.feature_cache_shard_rows)
+    source = FeatureSource(target, all_rows, layers, mode, Path(cfg.feature_cache_dir or "."), cache_dtype,
+                           cfg.feature_cache_shard_rows)
     if mode == "disk":
-        identity = cache_identity(all_rows, info, draft_config.feature_layers, cache_dtype, cfg.feature_cache_shard_rows)
-        build_feature_cache(source, identity, info.hidden_size, accelerator)
+        identity = cache_identity(all_rows, run.info, layers, cache_dtype, cfg.feature_cache_shard_rows)
+        build_feature_cache(source, identity, run.info.hidden_size, accelerator)
         if cfg.build_cache_only:
             accelerator.end_training()
             return {"feature_cache_dir": cfg.feature_cache_dir, **identity}
 
-    # 5. schedule: fixed global batches; N processes x batch b == 1 process x batch N*b
-    global_batch = cfg.per_device_batch_size * accelerator.num_processes
-    accum = cfg.gradient_accumulation_steps
-    steps_per_epoch = (len(train_rows) // global_batch) // accum
-    if steps_per_epoch == 0:
-        raise DataError(f"{len(train_rows)} training rows are fewer than one optimizer step needs "
-                        f"({global_batch} rows per batch x {accum} accumulation steps)")
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
-    fused = accelerator.device.type in ("cpu", "cuda")
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, fused=fused)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
+    S = cfg.ttt_steps
     lm_head_weight = None if eagle3 else target.get_output_embeddings().weight  # EAGLE-1 drafts through it, frozen
 
-    def epoch_loader(epoch: int) -> DataLoader:
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        mine = shard_epoch(order, cfg.per_device_batch_size, accelerator.num_processes, accelerator.process_index)
-        return DataLoader(mine, batch_size=cfg.per_device_batch_size, shuffle=False,
-                          collate_fn=lambda idx: {**collate([train_rows[i] for i in idx], pad_id), "rows": torch.tensor(idx)})
+    def step_fn(model, micro: list[dict], step: int) -> dict:
+        unwrapped = accelerator.unwrap_model(model).draft
+        # target side first: the per-step denominators are counts over the whole global batch
+        preps = [prepare_batch(b, source, target, unwrapped, cfg, run.pad_id, step) for b in micro]
+        valids = [step_valid(p, S) for p in preps]
+        denom = accelerator.reduce(torch.stack([v.sum(-1) for v in valids]).sum(0).float(), "sum")  # [S]
 
-    # 6. resume
-    step = 0
-    if cfg.resume:
-        ckpt = latest_checkpoint(output_dir)
-        if ckpt is None:
-            log(f"--resume: no checkpoint in {output_dir}/checkpoints, starting from step 0")
-        else:
-            accelerator.load_state(str(ckpt))  # weights (draft vocabulary included), optimizer, scheduler, RNG states
-            step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-            log(f"resumed from {ckpt} (step {step})")
-    if cfg.report_to != "none":
-        hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
-        accelerator.init_trackers(f"headstart-{cfg.method}", config=hparams,
-                                  init_kwargs={"wandb": {"dir": str(output_dir)}} if cfg.report_to == "wandb" else {})
+        def micro_loss(item: tuple[dict, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+            prep, valid = item
+            outs, logits = model(prep["embeds"], prep["taps"], prep["key_valid"], prep["select"], S, lm_head_weight)
+            return draft_loss(outs, logits, prep, valid, denom, cfg, unwrapped)
 
-    # 7. train
-    S = cfg.ttt_steps
-    unwrapped = accelerator.unwrap_model(model).draft
-    log_file = open(output_dir / "train_log.jsonl", "a") if accelerator.is_main_process else None
-    bar = tqdm(total=total_steps, initial=step, desc=cfg.method, disable=not accelerator.is_main_process)
-    start_time, tokens_seen, start_step = time.perf_counter(), 0, step
-    stop_at = min(total_steps, cfg.stop_after_steps) if cfg.stop_after_steps > 0 else total_steps
-    while step < stop_at:
-        epoch = step // steps_per_epoch
-        loader = accelerator.skip_first_batches(epoch_loader(epoch), (step % steps_per_epoch) * accum)
-        batches = iter(loader)
-        for _ in range(step % steps_per_epoch, steps_per_epoch):
-            micro = [{k: v.to(accelerator.device) for k, v in next(batches).items()} for _ in range(accum)]
-            # target side first: the per-step denominators are counts over the whole global batch
-            preps = [prepare_batch(b, source, target, unwrapped, cfg, pad_id, step) for b in micro]
-            valids = [step_valid(p, S) for p in preps]
-            denom = accelerator.reduce(torch.stack([v.sum(-1) for v in valids]).sum(0).float(), "sum")  # [S]
-            scale = accelerator.num_processes  # DDP averages gradients over processes
-            sums = {k: torch.zeros(S, device=accelerator.device) for k in ("ce", "feature", "hits")}
-            for i, (prep, valid) in enumerate(zip(preps, valids)):
-                with accelerator.no_sync(model) if i < accum - 1 else contextlib.nullcontext():
-                    outs, logits = model(prep["embeds"], prep["taps"], prep["key_valid"], prep["select"], S, lm_head_weight)
-                    loss, parts = draft_loss(outs, logits, prep, valid, denom, cfg, unwrapped)
-                    accelerator.backward(loss * scale)
-                for k in sums:
-                    sums[k] += parts[k]
-                tokens_seen += int(micro[i]["attention_mask"].sum())
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+        sums = accumulate(accelerator, model, list(zip(preps, valids)), micro_loss)
+        # the exact global per-step means
+        means = {k: accelerator.reduce(v, "sum") / denom.clamp(min=1) for k, v in sums.items()}
+        weights = torch.tensor([cfg.ttt_decay ** i for i in range(S)], device=denom.device)
+        per_step = means["ce"] if eagle3 else cfg.prob_loss_weight * means["ce"] + cfg.feature_loss_weight * means["feature"]
+        fields = {"loss": float((weights * per_step).sum()), "ce": [round(float(c), 6) for c in means["ce"]],
+                  "acc": [round(float(a), 4) for a in means["hits"]]}
+        if not eagle3:
+            fields["feature_loss"] = [round(float(c), 6) for c in means["feature"]]
+        return fields
 
-            # logging: the exact global per-step means
-            means = {k: accelerator.reduce(v, "sum") / denom.clamp(min=1) for k, v in sums.items()}
-            weights = torch.tensor([cfg.ttt_decay ** i for i in range(S)], device=denom.device)
-            per_step = means["ce"] if eagle3 else cfg.prob_loss_weight * means["ce"] + cfg.feature_loss_weight * means["feature"]
-            record = {"step": step, "loss": float((weights * per_step).sum()), "ce": [round(float(c), 6) for c in means["ce"]],
-                      "acc": [round(float(a), 4) for a in means["hits"]], "lr": scheduler.get_last_lr()[0],
-                      "seconds": round(time.perf_counter() - start_time, 1),
-                      "grad_norm": float(grad_norm) if grad_norm is not None else None}
-            if not eagle3:
-                record["feature_loss"] = [round(float(c), 6) for c in means["feature"]]
-            if log_file:
-                log_file.write(json.dumps(record) + "\n")
-                log_file.flush()
-            tok_s = tokens_seen * accelerator.num_processes / (time.perf_counter() - start_time)
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}", tok_s=f"{tok_s:.0f}")
-            if cfg.report_to != "none" and (step % cfg.log_every == 0 or step == total_steps):
-                accelerator.log({"loss": record["loss"], "lr": record["lr"], "tokens_per_s": tok_s,
-                                 **{f"step{i}_ce": c for i, c in enumerate(record["ce"])},
-                                 **{f"step{i}_acc": a for i, a in enumerate(record["acc"])}}, step=step)
-            if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0:
-                save_checkpoint(accelerator, output_dir, step, cfg)
-            if step >= stop_at:
-                break
-    bar.close()
-    if log_file:
-        log_file.close()
-    train_seconds = time.perf_counter() - start_time
-    if step < total_steps:  # stopped early on purpose (stop_after_steps): no heads dir, like a preempted run
-        log(f"stopped after step {step} of {total_steps}; continue with --resume")
-        accelerator.end_training()
-        return {"step": step}
-
-    # 8. held-out accuracy per depth, heads directory, push
-    unwrapped_model = accelerator.unwrap_model(model)
-    unwrapped_model.eval()
-    n_train = len(train_rows)
-    metrics = evaluate(unwrapped_model, target, source, list(range(n_train, n_train + len(eval_rows))), cfg, accelerator, pad_id)
-    metrics.update({"method": cfg.method, "target": info.to_dict(), "feature_layers": draft_config.feature_layers,
-                    "draft_vocab_size": draft_config.draft_vocab_size, "ttt_steps": S, "steps": step,
-                    "global_batch": global_batch * accum, "epochs": round(step / steps_per_epoch, 3), **stats,
-                    "data_dir": cfg.data_dir, "feature_source": mode, "train_seconds": round(train_seconds, 1),
-                    "train_tokens_per_s": round(tokens_seen * accelerator.num_processes / max(train_seconds, 1e-9), 1),
-                    "steps_this_run": step - start_step, "config": asdict(cfg)})
-    heads_dir = output_dir / "heads"
-    if accelerator.is_main_process:
-        save_heads(heads_dir, unwrapped_model.draft, cfg, info, stats, metrics)
-        log(f"draft written to {heads_dir}; held-out top-1 per depth {metrics['top1']}, top-5 {metrics['top5']}, "
-            f"greedy chain accepts {metrics['chain_accepted_tokens']:.3f} tokens")
-        if cfg.push_to_hub:
-            push_heads_dir(heads_dir, cfg.push_to_hub)
-    if cfg.report_to != "none":
-        accelerator.log({f"eval/depth{d + 1}_top1": a for d, a in enumerate(metrics["top1"])}, step=step)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return metrics
-
+    trained = train(run, UnrolledDraft(draft), [{"params": list(draft.parameters())}], step_fn,
+                    betas=(cfg.adam_beta1, cfg.adam_beta2))
+    if not trained.finished:
+        return {"step": trained.step}
+    model = accelerator.unwrap_model(trained.model).eval()
+    n_train = len(run.train_rows)
+    metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id)
+    metrics.update({"feature_layers": layers, "draft_vocab_size": draft.config.draft_vocab_size, "ttt_steps": S,
+                    "feature_source": mode})
+    return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "depth")
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ConfigError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

@@ -1,0 +1,360 @@
+"""The run train/medusa.py and train/eagle.py share: data, accelerator, frozen target, schedule, resumable epochs,
+the optimizer-step loop (log, checkpoint, early stop) and the end (metrics, heads directory, push). A script keeps
+what is its method's own: its model and parameter groups, one optimizer step's losses, evaluation, model card.
+
+    run = start_run(cfg)                                 # data (self-distilled first if missing), target, rows
+    trained = train(run, model, param_groups, step_fn)   # step_fn(model, micro, step) -> log fields
+    if trained.finished:                                 # else stopped early on purpose (stop_after_steps)
+        finish_run(run, trained, evaluate(...), save, model_card, "head")
+
+Each optimizer step takes gradient_accumulation_steps global batches drawn from one seeded permutation per epoch
+(train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
+(accelerate save_state / load_state: weights, optimizer, scheduler, RNG) sees those of the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from heads.directory import push_heads_dir
+from heads.target import load_target
+from train.config import ConfigError, TrainRunConfig, parse_config
+from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
+
+WATCHDOG_ENV = "HEADSTART_WATCHDOG_S"  # seconds: a process still running then prints its threads' stacks and exits 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# data
+
+
+def ensure_data(cfg: TrainRunConfig):
+    """(dataset, meta) from cfg.data_dir; self-distils first (on all processes) when there is none yet."""
+    from train.selfdistill import SelfDistillConfig, load_selfdistilled, run_selfdistill
+
+    data_dir = Path(cfg.data_dir)
+    if not (data_dir / "dataset").is_dir() or not (data_dir / "meta.json").is_file():
+        argv = ["--config", cfg.selfdistill_recipe] if cfg.selfdistill_recipe else []
+        argv += ["--target", cfg.target, "--output_dir", str(data_dir)]
+        if cfg.num_prompts is not None:
+            argv += ["--num_prompts", str(cfg.num_prompts)]
+        print(f"{data_dir} holds no self-distilled dataset: running train/selfdistill.py {' '.join(argv)}")
+        run_selfdistill(parse_config(SelfDistillConfig, argv))
+    try:
+        return load_selfdistilled(data_dir)
+    except Exception as err:  # datasets cannot even open a 0-row dataset saved in 0 shards
+        raise DataError(f"could not read the self-distilled dataset in {data_dir}/dataset: it is empty or corrupt "
+                        f"({err.__class__.__name__}: {err})") from err
+
+
+def prepare_rows(dataset, meta: dict, target_info, cfg: TrainRunConfig):
+    """Check the data against the target; split off held-out rows; truncate. Returns (train rows, eval rows, stats)."""
+    if len(dataset) == 0:
+        raise DataError(f"{cfg.data_dir}: the self-distilled dataset is empty (0 rows): nothing to train on")
+    check_columns(dataset.column_names)
+    wrote = (meta or {}).get("target", {})
+    if wrote.get("fingerprint") and wrote["fingerprint"] != target_info.fingerprint:
+        raise DataError(
+            f"{cfg.data_dir} was written by target {wrote.get('name')!r} (fingerprint {wrote['fingerprint']}), not by "
+            f"{target_info.name!r} (fingerprint {target_info.fingerprint}): self-distilled data must come from the "
+            "target being trained on. Self-distil again with this target or pass the right --target."
+        )
+    eval_rows = cfg.eval_rows if cfg.eval_rows >= 0 else max(1, round(0.05 * len(dataset)))
+    train_idx, eval_idx = split_eval(len(dataset), eval_rows)
+    if cfg.train_rows > 0:
+        train_idx = train_idx[: cfg.train_rows]
+    columns = dataset.select_columns(["input_ids", "loss_mask"])
+    train_rows, dropped_train = truncate_rows(columns.select(train_idx), cfg.max_length, min_supervised=1)
+    held, dropped_eval = truncate_rows(columns.select(eval_idx), cfg.max_length, min_supervised=1)
+    if not train_rows:
+        raise DataError(f"{cfg.data_dir}: no training row has a target-written token within max_length={cfg.max_length}")
+    stats = {"rows": len(dataset), "train_rows": len(train_rows), "eval_rows": len(held),
+             "dropped_rows_no_supervised_tokens": dropped_train + dropped_eval}
+    return train_rows, held, stats
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run: accelerator, frozen target, rows
+
+
+@dataclass
+class Run:
+    cfg: TrainRunConfig
+    accelerator: Accelerator
+    output_dir: Path
+    target: Any  # frozen (Medusa-2 wraps it with LoRA afterwards)
+    info: Any  # heads.target.TargetInfo
+    pad_id: int
+    train_rows: list[dict]
+    eval_rows: list[dict]
+    stats: dict
+
+    def log(self, *args) -> None:
+        self.accelerator.print(*args)
+
+
+def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
+    """Data first (self-distilling starts accelerate's state), then the accelerator, the frozen target and the rows."""
+    dataset, meta = ensure_data(cfg)
+    cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if cfg.report_to == "wandb":
+        setup_wandb_mode()
+    output_dir = Path(cfg.output_dir)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
+        mixed_precision="bf16" if cuda_bf16 else "no",
+        log_with=None if cfg.report_to == "none" else cfg.report_to,
+        project_dir=str(output_dir),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
+    )
+    set_seed(cfg.seed)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
+    target, tokenizer, info = load_target(cfg.target, dtype, accelerator.device)
+    target.requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_rows, eval_rows, stats = prepare_rows(dataset, meta, info, cfg)
+    accelerator.print(f"target {info.name} ({info.fingerprint}); {stats}")
+    return Run(cfg, accelerator, output_dir, target, info, pad_id, train_rows, eval_rows, stats)
+
+
+def setup_wandb_mode() -> None:
+    """wandb offline when there is no network (runs sync later with `wandb sync`)."""
+    if "WANDB_MODE" in os.environ:
+        return
+    try:
+        if os.environ.get("HF_HUB_OFFLINE") != "1":
+            socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+            return
+    except OSError:
+        pass
+    os.environ["WANDB_MODE"] = "offline"
+
+
+# ----------------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    done = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig) -> None:
+    ckpt = output_dir / "checkpoints" / f"step-{step}"
+    accelerator.save_state(str(ckpt))
+    if accelerator.is_main_process:  # written last: marks the checkpoint complete
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=2))
+        old = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+        for path in old[: max(0, len(old) - cfg.keep_checkpoints)]:
+            shutil.rmtree(path, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+# ----------------------------------------------------------------------------------------------------
+# the loop
+
+
+def accumulate(accelerator: Accelerator, model, items: list, loss_fn: Callable) -> dict[str, torch.Tensor]:
+    """Forward and backward every micro-batch of one optimizer step; gradients sync on the last one only.
+
+    loss_fn(item) -> (loss, {name: detached sum}); each loss is already a share of the global mean (divided by the
+    global denominators), and DDP averages gradients over processes, so it is scaled by the process count.
+    Returns the per-name sums added over the micro-batches (this process only).
+    """
+    sums: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(items):
+        with accelerator.no_sync(model) if i < len(items) - 1 else contextlib.nullcontext():
+            loss, parts = loss_fn(item)
+            accelerator.backward(loss * accelerator.num_processes)
+        for name, value in parts.items():
+            sums[name] = sums[name] + value if name in sums else value
+    return sums
+
+
+@dataclass
+class Trained:
+    model: Any  # as prepared by accelerate (unwrap it for evaluation)
+    step: int
+    steps_per_epoch: int
+    global_batch: int  # rows per optimizer step, all processes and accumulation steps
+    seconds: float
+    tokens_seen: int  # this process, this run
+    start_step: int
+    finished: bool  # False: stopped early on purpose (stop_after_steps), the run is ended, no heads directory
+
+
+def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: tuple[float, float] = (0.9, 0.999)) -> Trained:
+    """AdamW + cosine schedule with warmup over `param_groups`, resumed from the newest checkpoint with --resume.
+
+    step_fn(model, micro, step) runs one optimizer step's forwards and backwards (see `accumulate`) on `micro` (the
+    gradient_accumulation_steps batches of this process, on its device) and returns the step's log fields (global
+    means; "loss" among them). Every log_every steps the record goes to the tracker, a list field as name/1, name/2...
+    Stops early after stop_after_steps (as if preempted: no heads directory) and then ends the run.
+    """
+    cfg, accelerator, log = run.cfg, run.accelerator, run.log
+    accum = cfg.gradient_accumulation_steps
+    global_batch = cfg.per_device_batch_size * accelerator.num_processes
+    steps_per_epoch = (len(run.train_rows) // global_batch) // accum
+    if steps_per_epoch == 0:
+        raise DataError(f"{len(run.train_rows)} training rows are fewer than one optimizer step needs "
+                        f"({global_batch} rows per batch x {accum} accumulation steps)")
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
+                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step, saved with the state
+
+    def epoch_loader(epoch: int) -> DataLoader:
+        order = torch.randperm(len(run.train_rows), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        mine = shard_epoch(order, cfg.per_device_batch_size, accelerator.num_processes, accelerator.process_index)
+        return DataLoader(mine, batch_size=cfg.per_device_batch_size, shuffle=False,
+                          collate_fn=lambda idx: {**collate([run.train_rows[i] for i in idx], run.pad_id),
+                                                  "rows": torch.tensor(idx)})
+
+    step = 0
+    if cfg.resume:
+        ckpt = latest_checkpoint(run.output_dir)
+        if ckpt is None:
+            log(f"--resume: no checkpoint in {run.output_dir}/checkpoints, starting from step 0")
+        else:
+            accelerator.load_state(str(ckpt))  # weights (buffers such as a draft vocabulary too), optimizer, scheduler, RNG
+            step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+            log(f"resumed from {ckpt} (step {step})")
+    if cfg.report_to != "none":
+        hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
+        accelerator.init_trackers(f"headstart-{cfg.method}", config=hparams,
+                                  init_kwargs={"wandb": {"dir": str(run.output_dir)}} if cfg.report_to == "wandb" else {})
+
+    log_file = open(run.output_dir / "train_log.jsonl", "a") if accelerator.is_main_process else None
+    bar = tqdm(total=total_steps, initial=step, desc=cfg.method, disable=not accelerator.is_main_process)
+    start_time, tokens_seen, start_step = time.perf_counter(), 0, step
+    stop_at = min(total_steps, cfg.stop_after_steps) if cfg.stop_after_steps > 0 else total_steps
+    while step < stop_at:
+        epoch = step // steps_per_epoch
+        batches = iter(accelerator.skip_first_batches(epoch_loader(epoch), (step % steps_per_epoch) * accum))
+        for _ in range(step % steps_per_epoch, steps_per_epoch):
+            micro = [{k: v.to(accelerator.device) for k, v in next(batches).items()} for _ in range(accum)]
+            fields = step_fn(model, micro, step)
+            tokens_seen += sum(int(batch["attention_mask"].sum()) for batch in micro)
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            record = {"step": step, **fields, "lr": scheduler.get_last_lr()[0],
+                      "seconds": round(time.perf_counter() - start_time, 1),
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None}  # None under DeepSpeed
+            if log_file:
+                log_file.write(json.dumps(record) + "\n")
+                log_file.flush()
+            tok_s = tokens_seen * accelerator.num_processes / (time.perf_counter() - start_time)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:.0f}")
+            if cfg.report_to != "none" and (step % cfg.log_every == 0 or step == total_steps):
+                accelerator.log({**{k: v for k, v in record.items() if not isinstance(v, list)}, "tokens_per_s": tok_s,
+                                 **{f"{k}/{i + 1}": x for k, v in record.items() if isinstance(v, list) for i, x in enumerate(v)}},
+                                step=step)
+            if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0:
+                save_checkpoint(accelerator, run.output_dir, step, cfg)
+            if step >= stop_at:
+                break
+    bar.close()
+    if log_file:
+        log_file.close()
+    trained = Trained(model, step, steps_per_epoch, global_batch * accum,
+                      time.perf_counter() - start_time, tokens_seen, start_step, step >= total_steps)
+    if not trained.finished:  # like a preempted run
+        log(f"stopped after step {step} of {total_steps}; continue with --resume")
+        accelerator.end_training()
+    return trained
+
+
+# ----------------------------------------------------------------------------------------------------
+# evaluation summary, heads directory, push
+
+
+def rank_summary(rank_counts: torch.Tensor) -> dict:
+    """rank_counts [K, R + 1] (per head / depth: how often the truth was the rank-r guess; last column: rank >= R or
+    not draftable) -> top1, top5, rank_accuracy [K][R] (P(the truth is exactly the rank-r guess)), eval_positions."""
+    R = rank_counts.shape[1] - 1
+    rank_acc = rank_counts[:, :R] / rank_counts.sum(-1).clamp(min=1)[:, None]
+    return {
+        "top1": [round(float(a), 4) for a in rank_acc[:, 0]],
+        "top5": [round(float(a), 4) for a in rank_acc[:, :5].sum(-1)],
+        "rank_accuracy": [[round(float(a), 5) for a in row] for row in rank_acc],
+        "eval_positions": [int(t) for t in rank_counts.sum(-1)],
+    }
+
+
+def card_facts(cfg: TrainRunConfig, info, stats: dict, metrics: dict) -> str:
+    """The model-card lines every heads directory has: target, data, training."""
+    return (f"- Target: `{info.name}` ({info.model_type}, hidden {info.hidden_size}, vocab {info.vocab_size}, "
+            f"fingerprint `{info.fingerprint}`)\n"
+            f"- Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, "
+            f"{stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}\n"
+            f"- Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, "
+            f"lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup, {metrics['train_seconds']:.0f} s")
+
+
+def accuracy_table(name: str, metrics: dict) -> str:
+    rows = [f"| {k + 1} | {t1:.3f} | {t5:.3f} |" for k, (t1, t5) in enumerate(zip(metrics["top1"], metrics["top5"]))]
+    return "\n".join([f"| {name} | top-1 | top-5 |", "|---|---|---|", *rows])
+
+
+def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path], Any], model_card: Callable,
+               unit: str) -> dict:
+    """Add the run's facts to `metrics`; on the main process write the heads directory (save(heads_dir), README.md =
+    model_card(cfg, target info, stats, metrics), metrics.json) and push it if asked; log held-out top-1 per `unit`
+    (head, depth); end the run."""
+    cfg, accelerator = run.cfg, run.accelerator
+    metrics.update({"method": cfg.method, "target": run.info.to_dict(), "steps": trained.step,
+                    "global_batch": trained.global_batch, "epochs": round(trained.step / trained.steps_per_epoch, 3),
+                    **run.stats, "data_dir": cfg.data_dir, "train_seconds": round(trained.seconds, 1),
+                    "train_tokens_per_s": round(trained.tokens_seen * accelerator.num_processes / max(trained.seconds, 1e-9), 1),
+                    "steps_this_run": trained.step - trained.start_step, "config": asdict(cfg)})
+    heads_dir = run.output_dir / "heads"
+    if accelerator.is_main_process:
+        heads_dir.mkdir(parents=True, exist_ok=True)
+        save(heads_dir)
+        (heads_dir / "README.md").write_text(model_card(cfg, run.info, run.stats, metrics))
+        (heads_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        run.log(f"heads written to {heads_dir}; held-out top-1 per {unit} {metrics['top1']}, top-5 {metrics['top5']}")
+        if cfg.push_to_hub:
+            push_heads_dir(heads_dir, cfg.push_to_hub)
+    if cfg.report_to != "none":
+        accelerator.log({f"eval/{unit}{k + 1}_top1": a for k, a in enumerate(metrics["top1"])}, step=trained.step)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
+
+
+def run_main(main: Callable) -> None:
+    """A script's entry point: bad recipes or data exit 2 with one line. With HEADSTART_WATCHDOG_S set, a process
+    still running after that many seconds prints every thread's Python stack to stderr and exits (a hang fails fast)."""
+    if os.environ.get(WATCHDOG_ENV):
+        faulthandler.dump_traceback_later(float(os.environ[WATCHDOG_ENV]), exit=True)
+    try:
+        main()
+    except (ConfigError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
