@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network (set before huggingface_hub loads)
@@ -90,3 +91,54 @@ def embedded_target():
     from heads.target import load_target
 
     return load_target("smollm2-135m")
+
+
+@pytest.fixture
+def launch():
+    """Start training scripts in subprocesses (e.g. `accelerate launch --num_processes 2`) that cannot hang a test.
+
+        proc = launch.start([sys.executable, "-m", "accelerate.commands.launch", ...], env=env, cwd=tmp_path)
+        output = launch.wait(proc, timeout=240)     # fails the test with the output if rc != 0 or on timeout
+
+    Every launched script gets HEADSTART_WATCHDOG_S (train/loop.py: a process still running then prints all its
+    threads' Python stacks and exits), set below the timeout; on timeout the launcher and every process under it
+    (torchrun starts workers in sessions of their own) are killed, and the captured output, stacks included,
+    is in the failure message. Processes still running at teardown are killed the same way.
+    """
+    import subprocess
+    import types
+
+    import psutil
+
+    started = []
+
+    def kill_tree(proc):
+        try:
+            family = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+        except psutil.NoSuchProcess:
+            return
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+    def start(cmd, env, cwd, watchdog_s: float = 200):
+        proc = subprocess.Popen([str(c) for c in cmd], env={**env, "HEADSTART_WATCHDOG_S": str(watchdog_s)}, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        started.append(proc)
+        return proc
+
+    def wait(proc, timeout: float = 240) -> str:
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            output, _ = proc.communicate()
+            pytest.fail(f"{' '.join(proc.args[:6])} ... still running after {timeout} s (killed); output:\n{output[-12000:]}")
+        assert proc.returncode == 0, f"rc {proc.returncode}; output:\n{output[-12000:]}"
+        return output
+
+    yield types.SimpleNamespace(start=start, wait=wait)
+    for proc in started:
+        if proc.poll() is None:
+            kill_tree(proc)
+            proc.communicate()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -248,24 +247,22 @@ def test_resume_is_exact(llama_dir, sd_dir, tmp_path, one_thread):
     assert [r["loss"] for r in train_log(tmp_path / "full")][4:] == [r["loss"] for r in train_log(tmp_path / "cut")][5:]
 
 
-def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path):
+def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
     """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights (noise on)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     common = ["--max_steps", "4", "--feature_noise", "0.05"]
 
-    def start(launcher: list[str], out: Path, batch: int) -> subprocess.Popen:
+    def start(launcher: list[str], out: Path, batch: int):
         argv = args(llama_dir, sd_dir, out, "eagle3", *common)
         argv[argv.index("--per_device_batch_size") + 1] = str(batch)
-        return subprocess.Popen([*launcher, str(REPO / "train" / "eagle.py"), *argv], env=env, cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return launch.start([*launcher, REPO / "train" / "eagle.py", *argv], env=env, cwd=tmp_path)
 
     runs = [start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", "29519"], tmp_path / "two", 1),
             start([sys.executable], tmp_path / "one", 2)]  # side by side: most of their time is start-up
     for proc in runs:
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output[-3000:]
+        launch.wait(proc)
     one, two = train_log(tmp_path / "one"), train_log(tmp_path / "two")
     assert len(one) == len(two) == 4
     for a, b in zip(one, two):
