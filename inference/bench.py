@@ -1,4 +1,4 @@
-"""Benchmark: vanilla greedy vs HF prompt-lookup vs Medusa heads, on the same prompts, interleaved, batch 1.
+"""Benchmark: vanilla greedy vs HF prompt-lookup vs draft heads (Medusa, EAGLE), same prompts, interleaved, batch 1.
 
     python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
@@ -13,7 +13,7 @@ after one uncounted warm-up round on the first prompt. "+lookup" rows are the sa
 context verified instead of the heads' tree when the context ends in a repeated n-gram (inference/lookup.py, the
 Speculator's default); rows without it are the heads alone. "prompt_lookup" is HF's prompt-lookup decoding.
 
-Figures (see "Definitions used by every benchmark" in the design notes):
+Figures (defined here; the README's "Benchmark" section reports them):
   tau        tokens generated / target forwards after the one that reads the prompt (bonus token included;
              for vanilla 1 by definition; prompt-lookup: counted with a forward hook on the target)
   tokens/s   generated tokens / wall seconds including the prefill, summed over prompts (total / total),
@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from inference.tree import tree_choices
 
 SCHEMA_VERSION = 1
 WARMUP_TOKENS = 32  # the warm-up round decodes at most this many tokens per method
@@ -87,36 +89,31 @@ def _unique_labels(paths: Sequence[Path]) -> list[str]:
 
 
 def find_heads(patterns: Sequence[str]) -> list[HeadsEntry]:
-    """Resolve --heads arguments (dirs, globs, a train/medusa.py output_dir holding heads/, Hub ids)."""
-    from heads.eagle import heads_method, read_eagle_config
-    from heads.medusa import HeadsLoadError, read_medusa_config, resolve_heads_dir
+    """Resolve --heads arguments (dirs, globs, a training output_dir holding heads/, Hub ids) and read each config
+    through heads.load (strict: a broken directory fails here, before the target loads)."""
+    from heads.directory import CONFIG_NAME, HeadsLoadError, resolve_heads_dir
+    from heads.load import load_heads
 
     names = _expand(patterns)
     if not names:
         raise BenchError(f"no heads directories found for --heads {' '.join(patterns)}: the pattern(s) matched "
                          "nothing. Pass the heads directory written by train/medusa.py (OUTPUT_DIR/heads)")
     dirs: list[Path] = []
+    configs = []
     for name in names:
         path = Path(name).expanduser()
-        if path.is_dir() and not (path / "config.json").is_file() and (path / "heads" / "config.json").is_file():
-            path = path / "heads"  # the output_dir of train/medusa.py
-        if path.is_dir() and not (path / "config.json").is_file():
-            raise BenchError(f"{path} is not a heads directory (no config.json, no heads/config.json): pass the "
-                             "heads directory written by train/medusa.py (OUTPUT_DIR/heads)")
-        if not path.is_dir():
-            try:
-                path = resolve_heads_dir(name)  # a Hub id, or its local cache when offline
-            except HeadsLoadError as err:
-                raise BenchError(f"heads {name!r} not found: {err}") from err
-        if path.resolve() not in [d.resolve() for d in dirs]:
-            dirs.append(path)
-    entries = []
-    for path, label in zip(dirs, _unique_labels(dirs)):
-        label = f"heads:{label}" if label in RESERVED_NAMES else label
+        if path.is_dir() and not (path / CONFIG_NAME).is_file() and (path / "heads" / CONFIG_NAME).is_file():
+            path = path / "heads"  # the output_dir of train/medusa.py or train/eagle.py
         try:
-            config = read_eagle_config(path) if heads_method(path).startswith("eagle") else read_medusa_config(path)
+            path = resolve_heads_dir(path if path.is_dir() else name)
+            if path.resolve() not in [d.resolve() for d in dirs]:
+                configs.append(load_heads(path).config)
+                dirs.append(path)
         except HeadsLoadError as err:
             raise BenchError(str(err)) from err
+    entries = []
+    for path, label, config in zip(dirs, _unique_labels(dirs), configs):
+        label = f"heads:{label}" if label in RESERVED_NAMES else label
         entries.append(HeadsEntry(path=path, label=label, target=dict(config.target or {}),
                                   adapter=getattr(config, "adapter", False)))
     return entries
@@ -139,22 +136,6 @@ def common_target(entries: Sequence[HeadsEntry], target_override: str | None) ->
     if not name:
         raise BenchError(f"{entries[0].path}/config.json names no target: pass --target NAME_OR_PATH")
     return name
-
-
-def render_prompt(tokenizer, turn: str, system: str | None) -> list[int]:
-    """The first user turn (and the row's system message) with the chat template and the generation prompt."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": turn}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
-    return tokenizer(turn)["input_ids"]
-
-
-def stop_ids(tokenizer, model) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = model.generation_config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,18 +281,10 @@ def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.de
                      "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}})
         return Method(name=name, kind=spec.heads.config.method, run=run, info=info)
     tree = spec.tree
-    choices = [[tree.ranks[n] for n in _path_to(tree, i)] for i in range(1, tree.size)]
+    choices = tree_choices(tree)
     info.update({"num_heads": spec.heads.config.num_heads,
                  "tree": {"size": tree.size, "depth": tree.max_depth, "choices": choices}})
     return Method(name=name, kind="medusa", run=run, info=info)
-
-
-def _path_to(tree, node: int) -> list[int]:
-    path = []
-    while node > 0:
-        path.append(node)
-        node = tree.parents[node]
-    return path[::-1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,10 +490,11 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     import transformers
     from tqdm import tqdm
 
-    from heads.medusa import HeadsLoadError
+    from heads.chat import prompt_ids, stop_token_ids
     from heads.prompts import PromptSourceError, load_prompts
     from heads.target import TargetLoadError, load_target
-    from inference.generate import Speculator, SpeculatorError, check_context
+    from inference.decode import SpeculatorError, check_context
+    from inference.speculator import Speculator
 
     if args.num_prompts < 1:
         raise BenchError(f"--num_prompts must be at least 1, got {args.num_prompts}")
@@ -545,18 +519,18 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     # The target, once; every Speculator shares it (each checks the fingerprint its heads recorded).
     try:
         model, tokenizer, info = load_target(target_name, args.dtype, device)
-        specs = [Speculator.from_pretrained(str(e.path), target=model, tokenizer=tokenizer, tree=args.tree,
-                                            dtype=args.dtype, device=device) for e in entries]
-    except (TargetLoadError, SpeculatorError, HeadsLoadError) as err:
+        specs = [Speculator.from_pretrained(e.path, target=(model, tokenizer, info), tree=args.tree, dtype=args.dtype,
+                                            device=device) for e in entries]
+    except (TargetLoadError, SpeculatorError) as err:
         raise BenchError(str(err)) from err
     if entries[0].adapter:  # Medusa-2 (one dir only): the Speculator holds the adapter-merged copy of the target;
         model = specs[0].model  # vanilla and prompt-lookup run on that copy, the model the heads are lossless for
-    stops = stop_ids(tokenizer, model)
+    stops = stop_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else None)
 
     prompts, skipped = [], []
     for row in source.rows:
-        ids = render_prompt(tokenizer, row.turns[0], row.system)
+        ids = prompt_ids(tokenizer, row.turns[0], row.system)
         try:
             check_context(model, len(ids), args.max_new_tokens)
         except SpeculatorError as err:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from inference.forward import compact_cache
 from inference.tree import DynamicTreeConfig, Tree, build_dynamic_tree
 
 
 class EagleProposer:
-    """Proposer (see inference.generate) for an EAGLE-1/3 draft; one per generated sequence (it is stateful)."""
+    """Proposer (inference/tree.py) for an EAGLE-1/3 draft; one per generated sequence (it is stateful)."""
 
     def __init__(self, draft, model, config: DynamicTreeConfig):
         self.draft = draft
@@ -85,7 +86,7 @@ class EagleProposer:
 
         tree, tokens = build_dynamic_tree(inp.root, draft_step, self.config)
         self.node_outputs = node_out  # draft output per expanded node (build order, see node_tokens), for tests
-        truncate_cache(self.cache, n)  # forget the tree's entries: only true-feature pairs stay
+        compact_cache(self.cache, n, [])  # forget the tree's entries: only true-feature pairs stay
         return tree, tokens
 
     def _commit(self, context: list[int]) -> torch.Tensor:
@@ -119,10 +120,3 @@ def dynamic_config_from_choices(choices: list[list[int]]) -> DynamicTreeConfig:
     return DynamicTreeConfig(topk=max(max(c) for c in choices) + 1, depth=max(len(c) for c in choices),
                              total_tokens=len(choices) + 1)
 
-
-def truncate_cache(cache: DynamicCache, length: int) -> None:
-    """Keep the first `length` entries of every layer."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -27,7 +27,7 @@ DEFAULT_TOP1 = [0.56, 0.32, 0.20, 0.15, 0.12]
 DEFAULT_ACCURACY: list[list[float]] = [
     [(DEFAULT_TOP1[d] / (DEFAULT_TOP1[d - 1] if d else 1.0)) * 0.5**r for r in range(8)] for d in range(len(DEFAULT_TOP1))
 ]
-DEFAULT_TREE_NODES = 7  # drafted nodes of the default tree: small, since on CPU a wide verify costs 2-4x a step
+DEFAULT_TREE_NODES = 7  # drafted nodes of the default tree: small, since on a CPU a wide verify costs several steps
 
 
 def default_choices(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> list[list[int]]:
@@ -261,4 +261,19 @@ def build_dynamic_tree(root_token: int, draft: DraftFn, config: DynamicTreeConfi
     return tree, new_tokens
 
 
-DEFAULT_CHOICES: list[list[int]] = default_choices(len(DEFAULT_TOP1))
+# ---------------------------------------------------------------------------------------------
+# What a proposer (inference/medusa.py, inference/eagle.py) gets each step; it returns (tree, tokens [N])
+
+
+@dataclass
+class DraftInput:
+    hidden: torch.Tensor  # [h] target's final-norm hidden state at the last token in the cache
+    root: int  # the token the target chose after it (node 0 of the tree; not in the cache yet)
+    context: list[int]  # every token so far (prompt + emitted), the root included
+    features: torch.Tensor | None = None  # [k, n*h] the proposer's feature_layers taps of the k target cache
+    # entries added since its last call (the prompt, then each accepted path); None unless it has feature_layers
+
+
+class Proposer(Protocol):
+    def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
+        """-> (tree, tokens [N]) with tokens[0] == draft.root."""

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
-from inference.bench import main, render_prompt, stop_ids
+from inference.bench import main
 from inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories
@@ -120,9 +121,9 @@ def test_heads_tau_matches_the_speculator_stats(results, setup, tiny_target_dir)
     for name, lookup in (("a/heads", False), ("a/heads +lookup", True)):
         tokens = forwards = 0
         for row, record in zip(PROMPTS, res["prompts"]):
-            ids = render_prompt(tokenizer, row["turns"][0], None)
+            ids = prompt_ids(tokenizer, row["turns"][0])
             assert len(ids) == record["prompt_tokens"]
-            out = spec.generate(ids, 16, stop_token_ids=stop_ids(tokenizer, model), lookup=lookup)
+            out = spec.generate(ids, 16, stop_token_ids=stop_token_ids(tokenizer, model.generation_config), lookup=lookup)
             assert out.stats.decode_forwards == record["runs"][name]["decode_forwards"]
             assert out.stats.new_tokens == record["runs"][name]["new_tokens"]
             tokens, forwards = tokens + out.stats.new_tokens, forwards + out.stats.decode_forwards
@@ -168,7 +169,7 @@ def test_errors(setup, tiny_target_dir, tmp_path, capsys):
         return capsys.readouterr().err
 
     assert "no heads directories found" in error(["--heads", str(tmp_path / "nothing*"), *base])
-    assert "not found" in error(["--heads", str(tmp_path / "missing"), *base])
+    assert "no such directory" in error(["--heads", str(tmp_path / "missing"), *base])
     (tmp_path / "empty").mkdir()
     assert "not a heads directory" in error(["--heads", str(tmp_path / "empty"), *base])
     other = save_heads(tmp_path / "other", tiny_target_dir, seed=3, fingerprint="0123456789abcdef")
@@ -182,24 +183,44 @@ def test_errors(setup, tiny_target_dir, tmp_path, capsys):
     assert not (tmp_path / "o").exists()  # nothing written on error
 
 
-def test_medusa2_heads_run_against_their_adapter_merged_target(setup, tiny_target_dir, tmp_path, capsys):
+def test_medusa2_heads_run_against_their_adapter_merged_target(setup, tiny_target_dir, tmp_path, capsys, monkeypatch):
     from peft import LoraConfig, get_peft_model
+
+    from inference.speculator import Speculator as SpeculatorClass
 
     _, prompts, heads_a, _ = setup
     heads_dir = save_heads(tmp_path / "m2", tiny_target_dir, seed=4)
-    model, _, _ = load_target(str(tiny_target_dir))
+    model, tokenizer, _ = load_target(str(tiny_target_dir))
+    base = load_target(str(tiny_target_dir))[0]
     tuned = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     with torch.no_grad():
         for name, param in tuned.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.5)  # a real change: LoRA starts as a no-op
     tuned.save_pretrained(heads_dir / "adapter")
+    merged = tuned.merge_and_unload().eval()
     config = json.loads((heads_dir / "config.json").read_text())
     (heads_dir / "config.json").write_text(json.dumps(dict(config, adapter=True, method="medusa2")))
-    base = ["--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "8", "--no_prompt_lookup"]
-    assert main(["--heads", str(heads_a), str(heads_dir), *base, "--output", str(tmp_path / "x")]) == 2
+    argv = ["--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "8", "--no_prompt_lookup"]
+    assert main(["--heads", str(heads_a), str(heads_dir), *argv, "--output", str(tmp_path / "x")]) == 2
     assert "one directory at a time" in capsys.readouterr().err
-    assert main(["--heads", str(heads_dir), *base, "--output", str(tmp_path / "o")]) == 0
+    outputs = {}  # what the heads generated, per prompt (the last run of each: the warm-up comes first)
+    generate = SpeculatorClass.generate
+
+    def recording(self, input_ids, *args, **kwargs):
+        out = generate(self, input_ids, *args, **kwargs)
+        outputs[tuple(input_ids)] = out.tokens
+        return out
+
+    monkeypatch.setattr(SpeculatorClass, "generate", recording)
+    assert main(["--heads", str(heads_dir), *argv, "--lookup", "off", "--output", str(tmp_path / "o")]) == 0
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert res["settings"]["adapter_merged"] == str(heads_dir)
     assert res["methods"]["m2"]["all_identical"]  # lossless against the merged target that vanilla ran on
+    stops = stop_token_ids(tokenizer, merged.generation_config)
+    assert len(outputs) == 2
+    for ids, tokens in outputs.items():  # the merged target's greedy output, not the base target's
+        prompt = torch.tensor([ids])
+        want = [merged.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=stops)[0, len(ids):].tolist(),
+                base.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=stops)[0, len(ids):].tolist()]
+        assert tokens == want[0] != want[1]

@@ -9,20 +9,22 @@ from conftest import tiny_model
 from heads.eagle import EagleDraft, eagle_config_for
 from heads.target import fingerprint
 from inference.eagle import EagleProposer, dynamic_config_from_choices
-from inference.generate import DraftInput, Speculator, SpeculatorError, speculative_generate, target_forward
-from inference.tree import DynamicTreeConfig
+from inference.decode import speculative_generate
+from inference.forward import target_forward
+from inference.generate import Speculator, SpeculatorError
+from inference.tree import DraftInput, DynamicTreeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 VOCAB = 128
 
 
-def make_draft(model, method: str, seed: int = 0) -> EagleDraft:
+def make_draft(model, method: str, seed: int = 0, vocab: int = VOCAB) -> EagleDraft:
     torch.manual_seed(seed)
-    draft = EagleDraft(eagle_config_for(model, method, draft_vocab_size=VOCAB // 2 if method == "eagle3" else 0,
+    draft = EagleDraft(eagle_config_for(model, method, draft_vocab_size=vocab // 2 if method == "eagle3" else 0,
                                         target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
     if method == "eagle3":
-        draft.set_draft_vocab(torch.arange(1, VOCAB, 2))  # odd target ids only
+        draft.set_draft_vocab(torch.arange(1, vocab, 2))  # odd target ids only
     return draft.eval()
 
 
@@ -40,6 +42,33 @@ def test_greedy_output_equals_generate(model_type, method):
         proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=3, depth=3, total_tokens=10))
         out = speculative_generate(model, proposer, prompt, 48, stop_token_ids=stops)
         assert out.tokens == ref
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_accepted_drafts_compact_both_caches(method, monkeypatch):
+    """Drafted tokens do get accepted (a 16-token vocabulary: the target's token is often among a random draft's
+    top 3), on scattered tree paths too: the target cache is compacted from non-contiguous nodes and the draft
+    commits several accepted features at once; the output stays model.generate's and the draft cache exact."""
+    import inference.decode
+
+    kept: list[list[int]] = []
+    compact = inference.decode.compact_cache
+    monkeypatch.setattr(inference.decode, "compact_cache", lambda cache, n, keep: (kept.append(list(keep)),
+                                                                                  compact(cache, n, keep)))
+    model = tiny_model("llama", vocab_size=16, num_hidden_layers=4, seed=3, eos_token_id=None)
+    draft = make_draft(model, method, vocab=16)
+    gen = torch.Generator().manual_seed(0)
+    accepted = 0
+    for i in range(4):
+        prompt = torch.randint(3, 16, (1, 6 + i), generator=gen)
+        ref = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
+        proposer = EagleProposer(draft, model, DynamicTreeConfig(topk=3, depth=3, total_tokens=10))
+        out = speculative_generate(model, proposer, prompt, 40, stop_token_ids=[])
+        assert out.tokens == ref
+        accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+        assert_cache_holds_true_pairs(proposer, draft, model, prompt[0].tolist() + out.tokens)
+    assert accepted >= 10 and any(len(path) >= 3 for path in kept)
+    assert any(path != list(range(len(path))) for path in kept)  # a path through a non-first sibling
 
 
 def _chain_outputs(draft: EagleDraft, model, context: list[int], taps: torch.Tensor, chain: list[int]) -> torch.Tensor:

@@ -12,9 +12,12 @@ from conftest import tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
-from inference.generate import (CALIBRATION_SIZES, DraftInput, SamplingConfig, Speculator, SpeculatorError, TextStream,
-                                calibrate_tree, main)
-from inference.tree import Tree, static_tree_tokens, tree_from_choices
+from heads.chat import prompt_ids
+from inference.calibrate import CALIBRATION_SIZES, calibrate_tree, monotone_fit, read_accuracy
+from inference.decode import SamplingConfig, speculative_generate
+from inference.generate import Speculator, SpeculatorError, TextStream, main
+from inference.medusa import MedusaProposer, medusa_logits
+from inference.tree import DraftInput, DynamicTreeConfig, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
 
 VOCAB = 128
 PROMPT_LEN = 8
@@ -248,11 +251,11 @@ def test_fingerprint_mismatch_names_both_and_the_fix(saved):
         Speculator.from_pretrained(str(heads_dir), target=other)
     msg = str(err.value)
     want = json.loads((heads_dir / "config.json").read_text())["target"]["fingerprint"]
-    assert want in msg and fingerprint(other) in msg and "load the target the heads were trained on" in msg
+    assert want in msg and fingerprint(other) in msg and "load the target they were trained on" in msg
 
 
 def test_unknown_heads_path(tmp_path):
-    with pytest.raises(SpeculatorError, match="not found: no such directory"):
+    with pytest.raises(SpeculatorError, match="no such directory, and not a Hub repo id"):
         Speculator.from_pretrained(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(SpeculatorError, match="has no config.json"):
@@ -306,14 +309,16 @@ def test_calibrate_uses_recorded_accuracy(saved):
 
 
 def test_cli_streams_and_reports(saved, capsys):
-    _, _, heads_dir = saved
+    model, _, heads_dir = saved
     rc = main(["--heads", str(heads_dir), "--prompt", "w5 w6 w7 w8", "--max_new_tokens", "12", "--tree", "default"])
     captured = capsys.readouterr()
     assert rc == 0
     assert "tau" in captured.err and "tokens/s" in captured.err
-    assert len(captured.out.split()) >= 1  # streamed words
+    tok = _tokenizer()  # the CLI's stop token is the tokenizer's and the target's EOS, "w2"
+    want = reference(model, torch.tensor([prompt_ids(tok, "w5 w6 w7 w8")]), 12, eos=tok.eos_token_id)[0]
+    assert len(want) > 3 and captured.out == tok.decode(want, skip_special_tokens=True)  # stdout: the streamed answer
     rc = main(["--heads", str(heads_dir / "missing"), "--prompt", "w5", "--max_new_tokens", "4"])
-    assert rc == 2 and "not found" in capsys.readouterr().err
+    assert rc == 2 and "no such directory" in capsys.readouterr().err
     rc = main(["--heads", str(heads_dir), "--prompt", "w5", "--max_new_tokens", "0"])
     assert rc == 2 and "max_new_tokens" in capsys.readouterr().err
 
@@ -333,7 +338,6 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
     """The whole decode loop (tree forward, sampling acceptance, cache compaction) at temperature 1 on a
     vocab-8 model: the first three tokens follow the target's exact joint distribution (chi-square); with
     `lookup`, steps whose context repeats a token verify a chain from the context instead (inference/lookup.py)."""
-    from inference.generate import speculative_generate
     from inference.lookup import LookupConfig
 
     from scipy.stats import chi2
@@ -374,8 +378,6 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
 
 
 def test_medusa_logits_match_the_heads_module():
-    from inference.generate import medusa_logits
-
     heads = random_heads(num_heads=4, seed=3)
     hidden = torch.randn(64)
     full = heads(hidden[None, None])[:, 0, 0]  # [K, V]
@@ -401,8 +403,6 @@ def _draft_vocab_twin(heads: MedusaHeads, token_map: torch.Tensor) -> MedusaHead
 def test_draft_vocabulary_heads_rank_their_tokens_as_the_full_heads_do(share):
     """Heads with a draft vocabulary == the full heads' logits at token_map; the proposer's candidates are the
     full heads' best tokens among token_map, as target ids; a save/load round trip keeps the map."""
-    from inference.generate import MedusaProposer
-
     torch.manual_seed(5)
     full = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=3, share_lm_head=share))
     for block in full.blocks:
@@ -443,7 +443,7 @@ def test_tree_forward_reads_grouped_heads_without_copies(model_type, monkeypatch
     from transformers import DynamicCache
 
     import inference.attention as attention
-    from inference.generate import compact_cache, target_forward
+    from inference.forward import compact_cache, target_forward
 
     model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
     assert model.config._attn_implementation == "sdpa"
@@ -464,8 +464,7 @@ def test_tree_forward_reads_grouped_heads_without_copies(model_type, monkeypatch
         monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
         fast = target_forward(model, tokens, cache, mask, positions)[0]
         compact_cache(cache, 20, [])
-        monkeypatch.setattr(attention, "ENABLED", False)
-        plain = target_forward(model, tokens, cache, mask, positions)[0]
+        plain = target_forward(model, tokens, cache, mask, positions, gqa=False)[0]
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     layers = model.config.num_hidden_layers
     assert seen == [(heads, kv_heads, True)] * layers + [(heads, heads, False)] * layers  # the plain path copies
@@ -482,12 +481,10 @@ def test_real_embedded_target_greedy_exact():
         model, tok, info = load_target("smollm2-135m")
     except TargetLoadError as err:
         pytest.skip(f"embedded target unavailable: {err}")
-    from inference.generate import chat_input_ids
-
     heads = MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=3,
                                      share_lm_head=True, target=info.to_dict())).eval()
     spec = Speculator(model, heads, tok)
-    ids = torch.tensor(chat_input_ids(tok, "Write a Python function that reverses a string."))
+    ids = torch.tensor(prompt_ids(tok, "Write a Python function that reverses a string."))
     ref = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=24,
                          do_sample=False)[0, len(ids):].tolist()
     tree = tree_from_choices(ORACLE_CHOICES)
@@ -514,8 +511,6 @@ class _RealOracle(OracleProposer):
 
 
 def test_read_accuracy_from_training_metrics(saved):
-    from inference.generate import read_accuracy
-
     model, _, heads_dir = saved
     assert read_accuracy(heads_dir) is None
     rank_acc = [[0.9, 0.05, 0.0], [0.9, 0.05, 0.0], [0.9, 0.05, 0.0]]
@@ -575,9 +570,6 @@ def _oracle_dynamic_draft(ref: list[int], seed: int):
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_greedy_exact_with_dynamic_trees(model_type):
     """A new tree shape every step (EAGLE-2 style builder around an oracle-ish draft): still exact."""
-    from inference.generate import DynamicTreeProposer
-    from inference.tree import DynamicTreeConfig
-
     model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
     spec = Speculator(model, random_heads(seed=2))
     prompts = torch.randint(3, VOCAB, (10, PROMPT_LEN), generator=torch.Generator().manual_seed(15))
@@ -586,10 +578,11 @@ def test_greedy_exact_with_dynamic_trees(model_type):
     shapes = set()
     for i in range(10):
         full = prompts[i].tolist() + refs[i]
-        proposer = DynamicTreeProposer(_oracle_dynamic_draft(full, seed=i), DynamicTreeConfig(topk=3, depth=4, total_tokens=12))
+        draft = _oracle_dynamic_draft(full, seed=i)
 
-        def recording(d, proposer=proposer):
-            tree, toks = proposer(d)
+        def recording(d: DraftInput, draft=draft):  # a new tree from the draft every step, EAGLE-2 style
+            tree, toks = build_dynamic_tree(d.root, lambda *partial: draft(d, *partial),
+                                            DynamicTreeConfig(topk=3, depth=4, total_tokens=12))
             shapes.add(tuple(tree.parents))
             return tree, toks
 
@@ -603,11 +596,9 @@ def test_greedy_exact_with_dynamic_trees(model_type):
 def test_cli_applies_the_chat_template(tiny_target_dir, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from inference.generate import chat_input_ids
-
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
-    ids = chat_input_ids(tok, "hello there")
+    ids = prompt_ids(tok, "hello there")
     assert tok.decode(ids).endswith("<|start_header_id|>assistant<|end_header_id|>\n\n") and "hello there" in tok.decode(ids)
     heads = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=model.config.vocab_size, num_heads=2,
                                      target={"name": str(tiny_target_dir), "fingerprint": fingerprint(model)}))
@@ -630,8 +621,6 @@ def test_root_only_tree_is_plain_decoding():
 
 
 def test_monotone_fit_pools_timing_inversions():
-    from inference.generate import monotone_fit
-
     assert monotone_fit({1: 10.0, 4: 12.0, 8: 20.0}) == {1: 10.0, 4: 12.0, 8: 20.0}
     fitted = monotone_fit({1: 36.0, 4: 24.0, 8: 48.0, 16: 61.0, 32: 67.0, 64: 53.0})
     assert fitted == pytest.approx({1: 30.0, 4: 30.0, 8: 48.0, 16: 181 / 3, 32: 181 / 3, 64: 181 / 3})

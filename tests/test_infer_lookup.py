@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from inference.generate import Speculator, speculative_generate
+from inference.decode import speculative_generate
+from inference.generate import Speculator
 from inference.lookup import LookupConfig, chain_draft, lookup_continuation
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

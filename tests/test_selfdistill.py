@@ -3,7 +3,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ import torch
 from heads.prompts import PromptRow
 from heads.target import TargetLoadError, load_target
 from train.config import ConfigError, parse_config
-from train.selfdistill import (SelfDistillConfig, distill_batch, eos_token_ids, load_selfdistilled,
-                               render_with_mask, run_selfdistill)
+from heads.chat import stop_token_ids
+from train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistilled, render_with_mask, run_selfdistill
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,7 +66,7 @@ def read_rows(out):
 
 def test_loss_mask_llama3_style_template(tiny_target_dir, tmp_path):
     model, tokenizer, _ = load_target(str(tiny_target_dir))
-    eos = eos_token_ids(tokenizer, model.generation_config)
+    eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id=str(i), turns=["hello there", "tell me a story"]) for i in range(3)]
     records, skipped, generated = distill_batch(model, tokenizer, rows, tiny_cfg(tiny_target_dir, "", tmp_path), eos, 0)
     check_mask_matches_answers(tokenizer, records, eos)
@@ -81,7 +80,7 @@ def test_loss_mask_llama3_style_template(tiny_target_dir, tmp_path):
 
 def test_loss_mask_smollm2_template_on_embedded_target(embedded_target, tmp_path):
     model, tokenizer, _ = embedded_target
-    eos = eos_token_ids(tokenizer, model.generation_config)
+    eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id="a", turns=["Hi! How are you?", "What is your name?"]), PromptRow(id="b", turns=["Say hello."])]
     cfg = SelfDistillConfig(max_new_tokens=24, batch_size=2)
     records, _, _ = distill_batch(model, tokenizer, rows, cfg, eos, 0)
@@ -99,6 +98,23 @@ def test_render_with_mask_keeps_eos_only_when_target_wrote_it(tiny_target_dir):
     assert mask_eos[:-1] == mask_cut[:-1]
 
 
+# Runs train/selfdistill.py in a process that SIGKILLs itself right after writing its second batch file: a crash at
+# a known point, not a timer.
+KILLED_AFTER_TWO_BATCHES = """
+import os, signal, sys
+import train.selfdistill as sd
+write, batches = sd._write_json_atomic, []
+def write_then_die(path, payload):
+    write(path, payload)
+    if path.name.startswith("batch_"):
+        batches.append(path.name)
+    if len(batches) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+sd._write_json_atomic = write_then_die
+sd.main(sys.argv[1:])
+"""
+
+
 def test_run_is_resumable_after_sigkill(tiny_target_dir, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", 12)
     run_selfdistill(tiny_cfg(tiny_target_dir, prompts, tmp_path / "full"))
@@ -106,21 +122,16 @@ def test_run_is_resumable_after_sigkill(tiny_target_dir, tmp_path):
     assert len(expected) == 12 and meta["rows"] == 12
 
     out = tmp_path / "killed"
-    args = [sys.executable, str(REPO / "train/selfdistill.py"), "--target", str(tiny_target_dir), "--prompts", prompts,
-            "--output_dir", str(out), "--num_prompts", "12", "--max_new_tokens", "12", "--max_length", "256",
-            "--batch_size", "3", "--device", "cpu"]
-    # slow the child down so it can be killed between batches
+    args = ["--target", str(tiny_target_dir), "--prompts", prompts, "--output_dir", str(out), "--num_prompts", "12",
+            "--max_new_tokens", "12", "--max_length", "256", "--batch_size", "3", "--device", "cpu"]  # 4 batches
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((out / "parts").glob("batch_*.json")):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    done = len(list((out / "parts").glob("batch_*.json")))
-    assert 1 <= done < 4, "the child should have been killed half way"
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_TWO_BATCHES, *args], env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (out / "parts").glob("batch_*.json")) == ["batch_000000.json", "batch_000001.json"]
     assert not (out / "dataset").exists()
-    subprocess.run(args, env=env, check=True, capture_output=True)
+    rerun = subprocess.run([sys.executable, str(REPO / "train/selfdistill.py"), *args], env=env, check=True,
+                           capture_output=True, text=True)
+    assert "resuming: 2 of 4 batches already done" in rerun.stdout  # the finished batches were not redone
     resumed, _ = read_rows(out)
     assert resumed == expected
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from heads.chat import prompt_ids
 from heads.prompts import load_prompts
-from inference.generate import Speculator, chat_input_ids
+from inference.generate import Speculator
 
 HEADS = Path(__file__).parent / "data" / "smollm2-135m-medusa"
 
@@ -20,7 +21,7 @@ def test_trained_heads_are_exact_on_20_heldout_prompts(embedded_target):
     stops = [tokenizer.eos_token_id]
     forwards = tokens = 0
     for row in load_prompts("chitchat:heldout", limit=20).rows:
-        ids = torch.tensor(chat_input_ids(tokenizer, row.turns[0]))
+        ids = torch.tensor(prompt_ids(tokenizer, row.turns[0]))
         ref = model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
                              do_sample=False, eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[0, len(ids):]
         out = spec.generate(ids, 32, stop_token_ids=stops)

@@ -1,16 +1,17 @@
 """Self-distillation: the target answers every user turn itself, and that becomes the heads' data.
 
-    # CPU, the embedded default (256 chitchat conversations, ~10 minutes on 2 cores):
+    # CPU, the embedded default (the recipe: chitchat:train+pycode:train, taken in turn):
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --output_dir runs/sd
     # one GPU:
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16
     # several processes (GPUs, or two CPU processes): batches are sharded, the result is the same
     accelerate launch --multi_gpu --num_processes 2 train/selfdistill.py --config ... --output_dir runs/sd
 
-The target answers turn by turn through its own chat template, with its earlier answers fed back in
-multi-turn conversations; greedy (temperature 0) or sampled. Batches are fixed by the prompt order,
-so the result does not depend on the number of processes; each finished batch is written to
-`OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the batches already there.
+The target answers turn by turn through its own chat template (heads/chat.py: the renderer inference uses
+too), with its earlier answers fed back in multi-turn conversations; greedy (temperature 0) or sampled.
+Batches are fixed by the prompt order, so the result does not depend on the number of processes; each
+finished batch is written to `OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the
+batches already there.
 
 Output, in OUTPUT_DIR:
   dataset/    a `datasets` dataset: id, category, conversation [{role, content}], input_ids,
@@ -36,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from heads.chat import render_chat, stop_token_ids
 from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target
 from train.config import parse_config
@@ -49,9 +51,9 @@ RESULT_FIELDS = ("target", "prompts", "num_prompts", "max_turns", "max_new_token
 class SelfDistillConfig:
     config: Optional[str] = None  # recipe YAML
     target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
-    prompts: str = "chitchat:train"  # see heads/prompts.py for the spec strings
+    prompts: str = "chitchat:train+pycode:train"  # see heads/prompts.py for the spec strings
     output_dir: str = "runs/selfdistill"
-    num_prompts: Optional[int] = 256  # first N rows of the source; None = all
+    num_prompts: Optional[int] = None  # first N rows of the source; None = all
     max_turns: int = 2  # user turns answered per conversation
     max_new_tokens: int = 128  # per answer
     max_length: int = 1024  # tokens per conversation: a turn whose prompt + max_new_tokens exceeds it is not asked
@@ -66,12 +68,7 @@ class SelfDistillConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# chat rendering and the loss mask
-
-
-def render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template writes its own BOS
+# the loss mask
 
 
 def render_with_mask(
@@ -109,13 +106,6 @@ def render_with_mask(
     return input_ids, loss_mask
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = generation_config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured])
-    return {i for i in ids if i is not None}
-
-
 # ---------------------------------------------------------------------------------------------
 # one batch of conversations, turn by turn
 
@@ -143,7 +133,7 @@ def distill_batch(model, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfi
         for i, row in enumerate(rows):
             if stopped[i] or turn >= len(row.turns):
                 continue
-            ids = render_ids(tokenizer, messages[i] + [{"role": "user", "content": row.turns[turn]}], True)
+            ids = render_chat(tokenizer, messages[i] + [{"role": "user", "content": row.turns[turn]}], True)
             if len(ids) + cfg.max_new_tokens > cfg.max_length:
                 skipped["prompt_too_long" if turn == 0 else "turns_cut_by_max_length"] += 1
                 stopped[i] = True
@@ -260,7 +250,7 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
             "conversations. Use the instruct/chat version of the model, or set chat_template in the recipe "
             "(a Jinja string or a path to a .jinja file)."
         )
-    eos_ids = eos_token_ids(tokenizer, model.generation_config)
+    eos_ids = set(stop_token_ids(tokenizer, model.generation_config))
 
     # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
     order = sorted(range(len(source.rows)), key=lambda i: (len(source.rows[i].turns[0]), i))

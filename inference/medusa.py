@@ -1,0 +1,49 @@
+"""Medusa drafting at inference: the heads' per-depth top-k tokens fill a static tree.
+
+Head k reads the target's final-norm hidden state at the last cache position and scores the token k + 1 steps
+after the root; the node at depth d and rank r of the tree gets head d - 1's rank-r token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inference.tree import DraftInput, Tree, static_tree_tokens
+
+
+class MedusaProposer:
+    """Proposer (inference/tree.py) for Medusa heads over a static tree."""
+
+    def __init__(self, heads: torch.nn.Module, tree: Tree, lm_head_weight: torch.Tensor | None = None):
+        num_heads = heads.config.num_heads
+        if tree.max_depth > num_heads:
+            raise ValueError(f"the tree is {tree.max_depth} deep but the heads have only {num_heads} heads; "
+                             f"use a tree of depth <= {num_heads}")
+        self.heads = heads
+        self.tree = tree
+        # the rows of the shared lm_head the heads score (their draft vocabulary), sliced once
+        self.lm_head_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
+        self.topk = max(tree.ranks) + 1
+
+    @torch.no_grad()
+    def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
+        if self.tree.max_depth == 0:  # a root-only tree: plain decoding (what `auto` picks when drafting never pays)
+            return self.tree, torch.tensor([draft.root], dtype=torch.long)
+        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, Vd]
+        topk_tokens = self.heads.to_target_ids(logits.topk(self.topk, dim=-1).indices)  # [depth, k] target ids
+        return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
+
+
+def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
+                  lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [h] -> logits [depth, V] of the first `depth` heads only (a full-vocabulary head is costly).
+
+    lm_head_weight: the shared lm_head rows the heads score ([Vd, h] with a draft vocabulary: `draft_lm_head_weight`);
+    the logits index those rows.
+    """
+    feats = torch.stack([heads.blocks[k](hidden) for k in range(depth)])  # [depth, h]
+    if heads.lm_heads is None:
+        if lm_head_weight is None:
+            raise ValueError("these Medusa heads share the target's lm_head: pass lm_head_weight")
+        return feats @ lm_head_weight.t()  # one matmul for all heads
+    return torch.stack([heads.lm_heads[k](feats[k]) for k in range(depth)])

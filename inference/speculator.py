@@ -1,0 +1,163 @@
+"""`Speculator`: draft heads (Medusa or EAGLE-1/3) + their target + a tree, behind one `generate` call.
+
+    spec = Speculator.from_pretrained("path/to/heads")           # loads the target named by the heads
+    out = spec.generate(input_ids, max_new_tokens=128)            # greedy: identical to model.generate
+    out.tokens, out.stats.tau
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from heads.chat import stop_token_ids as default_stop_ids
+from heads.directory import HeadsLoadError, resolve_heads_dir
+from heads.load import load_heads_and_target
+from inference.calibrate import CALIBRATION_SIZES, TREE_FILE, TreeCalibration, calibrate_tree, eagle_draft_timer, read_accuracy
+from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
+from inference.eagle import EagleProposer, dynamic_config_from_choices
+from inference.lookup import LookupConfig
+from inference.medusa import MedusaProposer
+from inference.tree import DynamicTreeConfig, Proposer, Tree, default_choices, tree_from_choices
+
+DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
+
+
+class Speculator:
+    """Draft heads (Medusa or EAGLE-1/3) + their target + a tree. `generate` is lossless unless acceptance='typical'.
+
+    Medusa heads draft a static tree (`self.tree`); an EAGLE draft grows a dynamic tree of `self.dynamic`'s
+    size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
+    greedy decoding / distribution (a target you pass in is copied first, never modified).
+    """
+
+    def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
+                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True):
+        self.model = model
+        self.heads = heads
+        self.tokenizer = tokenizer
+        self.heads_dir = heads_dir
+        self.lookup = lookup  # also draft from repeats in the context (inference/lookup.py), with the tree's node count
+        self.is_eagle = str(heads.config.method).startswith("eagle")
+        self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
+        share = not self.is_eagle and heads.config.share_lm_head
+        self.lm_head_weight = model.get_output_embeddings().weight if share else None
+        self.tree: Tree | None = None  # Medusa: the static tree
+        self.dynamic: DynamicTreeConfig | None = None  # EAGLE: the dynamic tree's size
+        self.set_tree("default" if choices is None else choices)
+
+    @property
+    def tree_size(self) -> int:
+        """Nodes per verification (root included): the static tree's, or the dynamic tree's total."""
+        return self.dynamic.total_tokens if self.is_eagle else self.tree.size
+
+    def make_proposer(self) -> Proposer:
+        if self.is_eagle:
+            return EagleProposer(self.heads, self.model, self.dynamic)
+        return MedusaProposer(self.heads, self.tree, self.lm_head_weight)
+
+    @classmethod
+    def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
+                        tree: str | Sequence[Sequence[int]] | None = None, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu") -> "Speculator":
+        """Load heads (local dir or Hub id) and their target, through heads.load.load_heads_and_target.
+
+        target: None (the target named in the heads' config), a name/path for heads.target.load_target, a loaded
+        model, or a loaded (model, tokenizer, TargetInfo); a target with other weights than the heads were trained
+        on is refused. Any loading problem is a SpeculatorError naming it and the fix.
+        tree: None (the heads dir's tree.json if any, else the default), "default", "auto" (calibrate on
+        this device and write tree.json), a path to a JSON file with "choices", or a list of choices.
+        """
+        try:
+            heads_dir = resolve_heads_dir(heads)
+            module, model, tok, _ = load_heads_and_target(heads_dir, target, dtype=dtype, device=device)
+        except HeadsLoadError as err:
+            raise SpeculatorError(str(err)) from err
+        module = module.to(next(model.parameters()).device)
+        spec = cls(model, module, tokenizer or tok, choices=None, heads_dir=heads_dir)
+        spec.set_tree(tree)
+        return spec
+
+    def set_tree(self, tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None) -> None:
+        """See `from_pretrained` for the accepted values (EAGLE: also a DynamicTreeConfig)."""
+        if isinstance(tree, DynamicTreeConfig):
+            if not self.is_eagle:
+                raise SpeculatorError("a dynamic tree needs an EAGLE draft; Medusa heads take tree choices")
+            self.dynamic = tree
+            return
+        saved = self.heads_dir / TREE_FILE if self.heads_dir is not None else None
+        if tree is None:
+            tree = str(saved) if saved is not None and saved.is_file() else "default"
+        if tree == "default":
+            if self.is_eagle:
+                self.dynamic = DEFAULT_EAGLE_TREE
+                return
+            choices = default_choices(self.heads.config.num_heads)
+        elif tree == "auto":
+            self.calibrate()
+            return
+        elif isinstance(tree, (str, Path)):
+            file = Path(tree)
+            if not file.is_file():
+                raise SpeculatorError(f"tree {tree!r} is not 'auto', 'default' or an existing JSON file with 'choices'")
+            try:
+                choices = json.loads(file.read_text())["choices"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise SpeculatorError(f"{file} is not a tree file: it needs a JSON object with a 'choices' list") from err
+        else:
+            choices = tree
+        self._use_choices([list(c) for c in choices if len(c) <= self.max_depth])
+
+    def _use_choices(self, choices: list[list[int]]) -> None:
+        if self.is_eagle:
+            self.dynamic = dynamic_config_from_choices(choices)
+        else:
+            self.tree = tree_from_choices(choices)
+
+    def calibrate(self, sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256,
+                  repeats: int = 3) -> TreeCalibration:
+        """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
+        accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
+        draft_for = eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else None
+        if self.is_eagle and accuracy is not None:
+            accuracy = accuracy[: self.max_depth]
+        calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight,
+                               draft_for)
+        if self.heads_dir is not None:
+            record = calib.to_json()
+            if accuracy is not None:
+                record["accuracy"] = accuracy
+            try:
+                (self.heads_dir / TREE_FILE).write_text(json.dumps(record, indent=1))
+            except OSError as err:  # a read-only Hub cache: keep the choice in memory only
+                print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
+        self._use_choices(calib.choices)
+        return calib
+
+    def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                 top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
+                 stop_token_ids: Sequence[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
+                 proposer: Proposer | None = None, lookup: bool | None = None) -> GenerateOutput:
+        """Decode up to max_new_tokens after input_ids ([L] or [1, L]).
+
+        temperature 0: greedy, token-identical to model.generate(do_sample=False) in fp32.
+        temperature > 0: lossless sampling (acceptance='auto') or Medusa typical acceptance ('typical', lossy).
+        stop_token_ids: default heads.chat.stop_token_ids (the tokenizer's EOS and the generation config's).
+        on_tokens: streaming callback. lookup: draft from repeats in the context too (default self.lookup);
+        chains get the tree's node count.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise SpeculatorError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if stop_token_ids is None:
+            stop_token_ids = default_stop_ids(self.tokenizer, self.model.generation_config)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance)
+        use_lookup = self.lookup if lookup is None else lookup
+        chain = LookupConfig(num_tokens=self.tree_size - 1) if use_lookup and self.tree_size > 1 else None
+        return speculative_generate(self.model, proposer or self.make_proposer(), input_ids, max_new_tokens, sampling,
+                                    stop_token_ids, generator, on_tokens, chain)
