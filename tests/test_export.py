@@ -169,7 +169,8 @@ def test_fold_fc_bias_least_squares():
     e, f = embed[:5], torch.randn(5, 16)
     want = F.linear(torch.cat([e, f], -1), weight, bias)
     got = F.linear(torch.cat([new_embed[:5], f], -1), weight)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # fp32 rounding of outputs up to ~15
+    # exact up to fp32 rounding of embed + d (|d| = |W_e^-1 b| grows with W_e's condition number; outputs up to ~15)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_eagle1_sglang_keeps_the_bias(tmp_path):
