@@ -588,5 +588,6 @@ def main(argv: list[str] | None = None) -> dict:
                     "feature_source": mode})
     return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "depth")
 
+
 if __name__ == "__main__":
     run_main(main)

@@ -32,7 +32,6 @@ of identical greedy next tokens, tuned vs original target); plus method, target,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -344,6 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
             target.save_pretrained(heads_dir / ADAPTER_DIR)  # the LoRA adapter the heads read the target with
 
     return finish_run(run, trained, metrics, save, model_card, "head")
+
 
 if __name__ == "__main__":
     run_main(main)
