@@ -62,7 +62,8 @@ from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import DataError, collate, pad_features, shifted_labels, supervised_token_counts
-from train.loop import Run, accumulate, accuracy_table, card_facts, finish_run, rank_summary, run_main, start_run, train
+from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, run_main, start_run,
+                        train)
 
 
 @dataclass
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
         identity = cache_identity(all_rows, run.info, layers, cache_dtype, cfg.feature_cache_shard_rows)
         build_feature_cache(source, identity, run.info.hidden_size, accelerator)
         if cfg.build_cache_only:
-            accelerator.end_training()
+            end_run(accelerator)
             return {"feature_cache_dir": cfg.feature_cache_dir, **identity}
 
     S = cfg.ttt_steps

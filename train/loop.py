@@ -285,7 +285,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
                       time.perf_counter() - start_time, tokens_seen, start_step, step >= total_steps)
     if not trained.finished:  # like a preempted run
         log(f"stopped after step {step} of {total_steps}; continue with --resume")
-        accelerator.end_training()
+        end_run(accelerator)
     return trained
 
 
@@ -344,8 +344,20 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
     if cfg.report_to != "none":
         accelerator.log({f"eval/{unit}{k + 1}_top1": a for k, a in enumerate(metrics["top1"])}, step=trained.step)
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_run(accelerator)
     return metrics
+
+
+def end_run(accelerator: Accelerator) -> None:
+    """Finish the trackers; the process group (several processes) ends with the process, in run_main.
+
+    Not accelerator.end_training(): destroying a gloo group while its worker thread still frees a finished
+    collective's tensors deadlocks. The group's destructor (run by whoever drops the last reference, e.g. DDP's
+    reducer when the model is freed) joins the worker while holding the GIL, and the worker waits for the GIL to
+    release the tensors' Python objects: a process hung at exit, now and then, after training had finished.
+    """
+    for tracker in accelerator.trackers:
+        tracker.finish()
 
 
 def run_main(main: Callable) -> None:
@@ -358,3 +370,7 @@ def run_main(main: Callable) -> None:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if torch.distributed.is_initialized():  # every process passed the last barrier: exit without tearing down the
+        sys.stdout.flush()                  # process group (see end_run), all files are written and closed
+        sys.stderr.flush()
+        os._exit(0)
