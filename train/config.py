@@ -63,8 +63,10 @@ class TrainRunConfig:
     push_to_hub: Optional[str] = None  # Hub repo id to upload the heads directory to at the end
 
 
-def check_run_config(cfg: TrainRunConfig) -> None:
-    """The checks every training script makes on the shared fields."""
+def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
+    """The checks every training script makes on the shared fields; `methods`: the script's."""
+    if cfg.method not in methods:
+        raise ConfigError(f"method must be {' or '.join(map(repr, methods))}, got {cfg.method!r}")
     if cfg.report_to not in ("none", "wandb", "tensorboard"):
         raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
     if cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:

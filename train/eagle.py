@@ -95,9 +95,7 @@ class EagleTrainConfig(TrainRunConfig):
 
 def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     """Validate, and return a copy with the method-dependent defaults (None / 0) filled in."""
-    if cfg.method not in ("eagle", "eagle3"):
-        raise ConfigError(f"method must be 'eagle' or 'eagle3', got {cfg.method!r}")
-    check_run_config(cfg)
+    check_run_config(cfg, ("eagle", "eagle3"))
     if cfg.feature_cache and cfg.feature_cache_dir:
         raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
     if cfg.build_cache_only and not cfg.feature_cache_dir:
@@ -523,11 +521,11 @@ def build_draft(run: Run, cfg: EagleTrainConfig) -> EagleDraft:
         counts = supervised_token_counts(run.train_rows, info.vocab_size)
         draft.set_draft_vocab(most_frequent_tokens(counts, draft_config.draft_vocab_size))
         covered = int(counts[draft.t2d].sum()) / max(int(counts.sum()), 1)
-        run.log(f"draft vocabulary: {draft_config.draft_vocab_size} of {info.vocab_size} target tokens cover "
+        run.accelerator.print(f"draft vocabulary: {draft_config.draft_vocab_size} of {info.vocab_size} target tokens cover "
                 f"{covered:.4f} of the target-written training tokens")
     initialised = init_from_target(draft, target, cfg.init_layer_from_target)
     if initialised:
-        run.log(f"initialised from the target: {', '.join(initialised)}")
+        run.accelerator.print(f"initialised from the target: {', '.join(initialised)}")
     return draft.to(run.accelerator.device)
 
 

@@ -43,7 +43,7 @@ WATCHDOG_ENV = "HEADSTART_WATCHDOG_S"  # seconds: a process still running then p
 
 
 # ----------------------------------------------------------------------------------------------------
-# data
+# data, accelerator, frozen target; checkpoints
 
 
 def ensure_data(cfg: TrainRunConfig):
@@ -91,10 +91,6 @@ def prepare_rows(dataset, meta: dict, target_info, cfg: TrainRunConfig):
     return train_rows, held, stats
 
 
-# ----------------------------------------------------------------------------------------------------
-# the run: accelerator, frozen target, rows
-
-
 @dataclass
 class Run:
     cfg: TrainRunConfig
@@ -106,9 +102,6 @@ class Run:
     train_rows: list[dict]
     eval_rows: list[dict]
     stats: dict
-
-    def log(self, *args) -> None:
-        self.accelerator.print(*args)
 
 
 def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
@@ -149,10 +142,6 @@ def setup_wandb_mode() -> None:
     os.environ["WANDB_MODE"] = "offline"
 
 
-# ----------------------------------------------------------------------------------------------------
-# checkpoints
-
-
 def latest_checkpoint(output_dir: Path) -> Path | None:
     done = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
@@ -174,12 +163,9 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
 
 
 def accumulate(accelerator: Accelerator, model, items: list, loss_fn: Callable) -> dict[str, torch.Tensor]:
-    """Forward and backward every micro-batch of one optimizer step; gradients sync on the last one only.
-
-    loss_fn(item) -> (loss, {name: detached sum}); each loss is already a share of the global mean (divided by the
-    global denominators), and DDP averages gradients over processes, so it is scaled by the process count.
-    Returns the per-name sums added over the micro-batches (this process only).
-    """
+    """Forward and backward every micro-batch of one optimizer step (gradients sync on the last one only); returns
+    this process's sums of loss_fn(item) -> (loss, {name: detached sum}). A loss is its share of the global mean (over
+    global denominators); DDP averages gradients over processes, so it is scaled by their count."""
     sums: dict[str, torch.Tensor] = {}
     for i, item in enumerate(items):
         with accelerator.no_sync(model) if i < len(items) - 1 else contextlib.nullcontext():
@@ -210,7 +196,8 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
     means; "loss" among them). Every log_every steps the record goes to the tracker, a list field as name/1, name/2...
     Stops early after stop_after_steps (as if preempted: no heads directory) and then ends the run.
     """
-    cfg, accelerator, log = run.cfg, run.accelerator, run.log
+    cfg, accelerator = run.cfg, run.accelerator
+    log = accelerator.print
     accum = cfg.gradient_accumulation_steps
     global_batch = cfg.per_device_batch_size * accelerator.num_processes
     steps_per_epoch = (len(run.train_rows) // global_batch) // accum
@@ -323,9 +310,8 @@ def accuracy_table(name: str, metrics: dict) -> str:
 
 def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path], Any], model_card: Callable,
                unit: str) -> dict:
-    """Add the run's facts to `metrics`; on the main process write the heads directory (save(heads_dir), README.md =
-    model_card(cfg, target info, stats, metrics), metrics.json) and push it if asked; log held-out top-1 per `unit`
-    (head, depth); end the run."""
+    """Add the run's facts to `metrics`; write the heads directory (save(heads_dir), README.md = model_card(cfg, info,
+    stats, metrics), metrics.json), push it if asked, log held-out top-1 per `unit` (head, depth); end the run."""
     cfg, accelerator = run.cfg, run.accelerator
     metrics.update({"method": cfg.method, "target": run.info.to_dict(), "steps": trained.step,
                     "global_batch": trained.global_batch, "epochs": round(trained.step / trained.steps_per_epoch, 3),
@@ -338,7 +324,7 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
         save(heads_dir)
         (heads_dir / "README.md").write_text(model_card(cfg, run.info, run.stats, metrics))
         (heads_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-        run.log(f"heads written to {heads_dir}; held-out top-1 per {unit} {metrics['top1']}, top-5 {metrics['top5']}")
+        accelerator.print(f"heads written to {heads_dir}; held-out top-1 per {unit} {metrics['top1']}, top-5 {metrics['top5']}")
         if cfg.push_to_hub:
             push_heads_dir(heads_dir, cfg.push_to_hub)
     if cfg.report_to != "none":
@@ -349,13 +335,9 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
 
 
 def end_run(accelerator: Accelerator) -> None:
-    """Finish the trackers; the process group (several processes) ends with the process, in run_main.
-
-    Not accelerator.end_training(): destroying a gloo group while its worker thread still frees a finished
-    collective's tensors deadlocks. The group's destructor (run by whoever drops the last reference, e.g. DDP's
-    reducer when the model is freed) joins the worker while holding the GIL, and the worker waits for the GIL to
-    release the tensors' Python objects: a process hung at exit, now and then, after training had finished.
-    """
+    """Finish the trackers; a process group ends with its process (run_main). Not accelerator.end_training(): a gloo
+    group's destructor (run where the last reference goes, e.g. DDP's reducer freed) joins its worker thread holding
+    the GIL, and a worker still freeing a finished collective's tensors waits for the GIL: a process hung at exit."""
     for tracker in accelerator.trackers:
         tracker.finish()
 
@@ -370,7 +352,6 @@ def run_main(main: Callable) -> None:
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    if torch.distributed.is_initialized():  # every process passed the last barrier: exit without tearing down the
-        sys.stdout.flush()                  # process group (see end_run), all files are written and closed
-        sys.stderr.flush()
+    if torch.distributed.is_initialized():  # past the last barrier, files closed: exit without the group's teardown
+        sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)

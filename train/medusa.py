@@ -74,9 +74,7 @@ class MedusaTrainConfig(TrainRunConfig):
 
 
 def check_config(cfg: MedusaTrainConfig) -> None:
-    if cfg.method not in ("medusa", "medusa2"):
-        raise ConfigError(f"method must be 'medusa' or 'medusa2', got {cfg.method!r}")
-    check_run_config(cfg)
+    check_run_config(cfg, ("medusa", "medusa2"))
     if cfg.num_heads < 1:
         raise ConfigError(f"num_heads must be >= 1, got {cfg.num_heads}")
     if cfg.draft_vocab_size < 0:
@@ -248,7 +246,7 @@ def build_heads(run: Run, cfg: MedusaTrainConfig, lm_head_weight: torch.Tensor) 
         covered_held = int(held[heads.token_map].sum()) / max(int(held.sum()), 1)
         run.stats["draft_vocab_coverage"] = round(covered, 4)
         run.stats["draft_vocab_coverage_heldout"] = round(covered_held, 4)
-        run.log(f"draft vocabulary: {cfg.draft_vocab_size} of {info.vocab_size} target tokens cover {covered:.4f} of the "
+        run.accelerator.print(f"draft vocabulary: {cfg.draft_vocab_size} of {info.vocab_size} target tokens cover {covered:.4f} of the "
                 f"target-written training tokens, {covered_held:.4f} of the held-out ones")
     return heads.to(run.accelerator.device)
 
