@@ -85,7 +85,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     Each size n is timed as one tree forward of n tokens over a cache of `prefix_len` tokens (the best
     tree of n nodes for `accuracy`, so the mask is the real one), `repeats` rounds over all sizes, fastest
     time kept; accuracy[d][r] is the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented
-    prior, see inference/tree.py) when None. About (sizes x repeats) target forwards: a few seconds on CPU.
+    prior, see inference/tree.py) when None. About (sizes x repeats) target forwards.
     """
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]

@@ -2,15 +2,17 @@
 
 `target_forward` runs the decoder over new tokens (a prompt, or a whole tree under its 4D mask) and returns the
 logits, the final-norm hidden states the Medusa heads read and, for EAGLE, the feature taps. `compact_cache`
-keeps the accepted tree nodes and drops the rest. Timing of the two attention paths (`gqa=True` / `False`) on
-the embedded target: `python -m inference.forward`.
+keeps the accepted tree nodes and drops the rest. `python -m inference.forward [--target T]` times a step by
+tokens verified, and the two attention paths (`gqa=True` / `False`).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import inspect
+import time
 from typing import Sequence
 
 import torch
@@ -80,29 +82,45 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> 
 
 
 @torch.no_grad()
-def main() -> None:
-    """Time a 3-token tree step of the embedded target with gqa=False and gqa=True (interleaved, median of 20)."""
-    import time
-
+def main(argv: list[str] | None = None) -> None:
+    """Time the target's tree forward here: a step's cost by tokens verified (chains, 256-token cache), and a 3-token
+    tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of --repeats, run in turns."""
     from heads.target import load_target
     from inference.tree import tree_from_choices
 
-    model, _, _ = load_target("smollm2-135m", "float32")
-    tree = tree_from_choices([[0], [1]])
-    for prefix in (300, 1000, 1800):
-        ids = torch.randint(100, 40000, (1, prefix), generator=torch.Generator().manual_seed(0))
-        mask, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
-        cache, times = DynamicCache(), {False: [], True: []}
-        target_forward(model, ids, cache)
-        for _ in range(20):
-            for gqa, seen in times.items():
+    parser = argparse.ArgumentParser(prog="python -m inference.forward", description=main.__doc__)
+    parser.add_argument("--target", default="smollm2-135m", help="name or path (heads/target.py)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, _, _ = load_target(args.target, args.dtype)
+    vocab = model.get_output_embeddings().weight.shape[0]
+
+    def medians(prefix: int, steps: dict[str, tuple[list[list[int]], bool]]) -> dict[str, float]:
+        """label -> (tree choices, gqa): median ms of that tree's verify forward after a `prefix`-token cache."""
+        ids = torch.randint(0, vocab, (1, prefix + 8), generator=torch.Generator().manual_seed(0))
+        cache, times = DynamicCache(), {label: [] for label in steps}
+        target_forward(model, ids[:, :prefix], cache)
+        trees = {label: (tree_from_choices(choices), gqa) for label, (choices, gqa) in steps.items()}
+        for _ in range(args.repeats):
+            for label, (tree, gqa) in trees.items():
+                mask, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
                 t0 = time.perf_counter()
-                target_forward(model, ids[:, :3], cache, mask, positions, gqa=gqa)
-                seen.append(1000 * (time.perf_counter() - t0))
+                target_forward(model, ids[:, prefix: prefix + tree.size], cache, mask, positions, gqa=gqa)
+                times[label].append(1000 * (time.perf_counter() - t0))
                 compact_cache(cache, prefix, [])
-        plain, fast = (sorted(times[k])[10] for k in (False, True))
-        print(f"{prefix}-token cache, 3-token tree step: sdpa {plain:.1f} ms, gqa {fast:.1f} ms "
-              f"({torch.get_num_threads()} threads)")
+        return {label: sorted(t)[len(t) // 2] for label, t in times.items()}
+
+    threads = f"{torch.get_num_threads()} threads, medians of {args.repeats}"
+    by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in (1, 2, 3, 4, 8)})
+    print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
+          f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads})")
+    for prefix in (300, 1000, 1800):
+        ms = medians(prefix, {"sdpa": ([[0], [1]], False), "gqa": ([[0], [1]], True)})
+        print(f"{prefix}-token cache, 3-token tree step: sdpa {ms['sdpa']:.1f} ms, gqa {ms['gqa']:.1f} ms ({threads})")
 
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth:
 DraftFn = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)  # shared defaults (DEFAULT_EAGLE_TREE) are never changed in place
 class DynamicTreeConfig:
     topk: int = 4  # children per expanded node, and frontier width
     depth: int = 4  # expansion steps
