@@ -1,7 +1,7 @@
 """Trained Medusa heads on the real embedded target: greedy output is exactly the target's.
 
-tests/data/smollm2-135m-medusa holds heads trained by recipes/smollm2-135m/medusa.yaml on 256
-self-distilled chitchat conversations (3 heads sharing the target's lm_head, 4 MB).
+tests/data/smollm2-135m-medusa holds Medusa-1 heads trained on 256 self-distilled chitchat conversations (an
+earlier, smaller version of the recipe: 3 heads sharing the target's lm_head, full vocabulary, 4 MB; its README.md).
 """
 
 from pathlib import Path
