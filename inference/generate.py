@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = out.stats
     print(f"\n\n{s.new_tokens} tokens, tau {s.tau:.2f} (tokens per target forward), {s.tokens_per_s:.1f} tokens/s, "
-          f"tree {spec.tree_size} nodes, {s.lookup_steps} of {s.decode_forwards} steps drafted from the context, draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s",
-          file=sys.stderr)
+          f"tree {spec.tree_size} nodes, {s.lookup_steps} of {s.decode_forwards} steps drafted from the context, "
+          f"draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s", file=sys.stderr)
     return 0
 
 

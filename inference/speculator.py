@@ -18,7 +18,8 @@ from transformers import PreTrainedModel
 from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
-from inference.calibrate import CALIBRATION_SIZES, TREE_FILE, TreeCalibration, calibrate_tree, eagle_draft_timer, read_accuracy
+from inference.calibrate import (CALIBRATION_SIZES, TREE_FILE, TreeCalibration, calibrate_tree, eagle_draft_timer,
+                                 read_accuracy)
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
