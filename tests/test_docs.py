@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -104,12 +105,15 @@ def recipe_field(args: list[str], key: str):
     return (yaml.safe_load((ROOT / args[args.index("--config") + 1]).read_text()) or {}).get(key)
 
 
+PROMPTS = "10"  # prompts self-distilled, by a script or by a trainer that finds no data (the same settings)
+
+
 def reduce_args(module: str, args: list[str], target: str) -> list[str]:
-    if module == "train.selfdistill":
-        return args + ["--target", target, "--num_prompts", "6", "--max_new_tokens", "8"]
+    if module == "train.selfdistill":  # the recipe's generation settings stay: a trainer's self-distillation uses them
+        return args + ["--target", target, "--num_prompts", PROMPTS]
     if module in ("train.medusa", "train.eagle"):
-        extra = ["--target", target, "--num_prompts", "10", "--max_steps", "2", "--eval_rows", "2",
-                 "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1",
+        extra = ["--target", target, "--num_prompts", PROMPTS, "--max_steps", "2", "--eval_rows", "2",
+                 "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1", "--max_length", "256",
                  "--report_to", "none"]
         if (recipe_field(args, "draft_vocab_size") or 0) > 64:
             extra += ["--draft_vocab_size", "64"]  # the tiny target's vocabulary is 320 tokens
@@ -136,7 +140,9 @@ def script_and_args(command: str) -> tuple[str, list[str]]:
             words = ["python", launch.training_script, *launch.training_script_args]
             break
     assert words[0] == "python", f"not a python command: {command}"
-    if words[1] in ("-m", "-c"):
+    if words[1] == "-c":
+        return "-c", words[2:]
+    if words[1] == "-m":
         return words[2], words[3:]
     assert words[1].endswith(".py") and (ROOT / words[1]).is_file(), f"{command}: no script {words[1]}"
     return words[1][:-3].replace("/", "."), words[2:]
@@ -147,15 +153,34 @@ def last_value(args: list[str], flag: str, default=None):
     return values[-1] if values else default
 
 
+CONFIG_CLASSES = {"train.selfdistill": "SelfDistillConfig", "train.medusa": "MedusaTrainConfig",
+                  "train.eagle": "EagleTrainConfig"}
+
+
+def output_dir(module: str, args: list[str]) -> Path | None:
+    """Where a self-distillation or training command writes, as the script's own parser reads its arguments."""
+    if module not in CONFIG_CLASSES:
+        return None
+    from train.config import parse_config
+
+    return Path(parse_config(getattr(importlib.import_module(module), CONFIG_CLASSES[module]), args).output_dir)
+
+
+def written_at(module: str, args: list[str]) -> int:
+    """mtime of the file a command (re)writes last: meta.json or heads/model.safetensors; 0 if absent."""
+    out = output_dir(module, args)
+    file = None if out is None else out / ("meta.json" if module == "train.selfdistill" else "heads/model.safetensors")
+    return file.stat().st_mtime_ns if file is not None and file.is_file() else 0
+
+
 def check_outputs(module: str, args: list[str], printed: str) -> None:
     """What the script promises to leave behind."""
+    out = output_dir(module, args)
     if module == "train.selfdistill":
-        out = Path(last_value(args, "--output_dir", recipe_field(args, "output_dir")))
         assert (out / "dataset").is_dir() and (out / "meta.json").is_file()
-    elif module in ("train.medusa", "train.eagle"):
-        out = Path(last_value(args, "--output_dir", recipe_field(args, "output_dir")))
+    elif module in CONFIG_CLASSES:
         assert (out / "heads" / "config.json").is_file() and (out / "heads" / "model.safetensors").is_file()
-        if last_value(args, "--init_heads_from"):
+        if json.loads((out / "heads" / "config.json").read_text())["method"] == "medusa2":
             assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
     elif module == "inference.bench":
         out = Path(last_value(args, "--output"))
@@ -180,6 +205,7 @@ def test_documented_command_runs(where, command, workdir, tiny_target_dir, monke
     module, args = script_and_args(command)
     args = reduce_args(module, args, str(tiny_target_dir))
     monkeypatch.chdir(workdir)
+    before = written_at(module, args)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         if module == "-c":  # python -c CODE
@@ -188,6 +214,8 @@ def test_documented_command_runs(where, command, workdir, tiny_target_dir, monke
             result = importlib.import_module(module).main(args)
     assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
     check_outputs(module, args, printed.getvalue())
+    if module in ("train.medusa", "train.eagle"):  # a rerun into the same directory wrote its heads again
+        assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 
 
 def test_readme_python_runs(workdir, monkeypatch, one_thread):
