@@ -2,12 +2,22 @@
 range of tree sizes and pick the tree with the most expected tokens per second, given the heads' accuracies.
 
 On a CPU a forward over a few more tokens costs much more than one, so trees come out small; on a GPU, large.
+
+Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates
+each round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided
+by the 1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a
+spike in a minority of rounds moves no median. When the rounds disagree too much (the relative median absolute
+deviation of some size's ratios above `noise_limit`), the timings are flagged noisy and the choice falls back to a
+small default tree (`fallback_nodes` drafted nodes: on a CPU a verify of a few tokens costs about one step, see the
+README's "Measured" table), never to plain decoding. `tree.json` records what was measured; `stale_reason` says
+when a recorded calibration must not be reused (noisy, no tree, another device or thread count, an older format).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,19 +33,32 @@ from inference.tree import DEFAULT_ACCURACY, DraftInput, best_choices, expected_
 
 TREE_FILE = "tree.json"
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # tree sizes timed; the small ones are the CPU's choices
+ROUNDS = 5  # rounds over all sizes; a median over 5 ignores spikes in up to 2 of them
+NOISE_LIMIT = 0.15  # above this relative median absolute deviation of a size's per-round ratios: too noisy
+FALLBACK_NODES = 2  # drafted nodes of the tree used when timings are too noisy (a 3-node tree: cheap on a CPU too)
+Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft", tree size, run) -> ms
 
 
 @dataclass
 class TreeCalibration:
     choices: list[list[int]]
     expected_accept_length: float
-    step_ms: dict[int, float]  # tree size (root included) -> fastest forward ms over the repeats, monotone fit
+    step_ms: dict[int, float]  # tree size (root included) -> median 1-token step ms x step_ratio (monotone fit)
     raw_step_ms: dict[int, float]  # the same before the fit
-    draft_ms: float
+    step_ratio: dict[int, float]  # median over rounds of (size's ms / the 1-token step's ms in the same round)
+    spread: dict[int, float]  # relative median absolute deviation of those per-round ratios
+    samples_ms: dict[int, list[float]]  # every timing, by size, in round order
+    draft_ms: float  # median draft ms of the chosen size (Medusa: all heads, one timing per round)
+    draft_samples_ms: dict[int, list[float]]  # by tree size (EAGLE) or under 0 (Medusa's one draft)
     expected_tokens_per_s: dict[int, float]
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
     prefix_len: int
     device: str
+    threads: int  # torch CPU threads during the timings
+    rounds: int
+    noisy: bool  # some size's spread > noise_limit: choices is the fallback tree, not the measured best
+    noise_limit: float
+    chosen_by: str  # "measurement" or "fallback: too noisy"
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -66,27 +89,49 @@ def monotone_fit(times: dict[int, float]) -> dict[int, float]:
     return fitted
 
 
-def _time_ms(fn: Callable[[], None]) -> float:
+def time_ms(kind: str, size: int, run: Callable[[], None]) -> float:
+    """The default timer: wall milliseconds of one call of `run`."""
     t0 = time.perf_counter()
-    fn()
+    run()
     return (time.perf_counter() - t0) * 1000
+
+
+def relative_mad(values: Sequence[float]) -> float:
+    """Median absolute deviation from the median, over the median: a spread that ignores a minority of spikes."""
+    mid = statistics.median(values)
+    return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else math.inf
+
+
+def timed_rounds(runs: dict[tuple[str, int], Callable[[], None]], rounds: int,
+                 timer: Timer) -> dict[tuple[str, int], list[float]]:
+    """Time every run once per round, round-robin, the order rotated by one each round; ms in round order."""
+    keys = list(runs)
+    samples: dict[tuple[str, int], list[float]] = {key: [0.0] * rounds for key in keys}
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            samples[key][r] = timer(*key, runs[key])
+    return samples
 
 
 @torch.no_grad()
 def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Sequence[Sequence[float]] | None = None,
-                   sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256, repeats: int = 3,
+                   sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256, repeats: int = ROUNDS,
                    lm_head_weight: torch.Tensor | None = None,
-                   draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None) -> TreeCalibration:
+                   draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None,
+                   timer: Timer | None = None, noise_limit: float = NOISE_LIMIT,
+                   fallback_nodes: int = FALLBACK_NODES) -> TreeCalibration:
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time).
 
-    The draft is timed once with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting
-    a dynamic tree of that size and depth), per size.
-
-    Each size n is timed as one tree forward of n tokens over a cache of `prefix_len` tokens (the best
-    tree of n nodes for `accuracy`, so the mask is the real one), `repeats` rounds over all sizes, fastest
-    time kept; accuracy[d][r] is the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented
-    prior, see inference/tree.py) when None. About (sizes x repeats) target forwards.
+    The draft is timed with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting a dynamic
+    tree of that size and depth), per size. Each size n is timed as one tree forward of n tokens over a cache of
+    `prefix_len` tokens (the best tree of n nodes for `accuracy`, so the mask is the real one); accuracy[d][r] is
+    the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented prior, see inference/tree.py) when None.
+    `repeats` rounds, round-robin; `timer(kind, size, run) -> ms` (default: wall clock) can be scripted in tests.
+    Sizes are compared by their per-round ratio to the 1-token step (size 1 is always timed); see the module
+    docstring for the noise check and the fallback. About (sizes x repeats) target forwards.
     """
+    timer = timer or time_ms
+    sizes = sorted(set(sizes) | {1})
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]
     accuracy = accuracy[: getattr(heads.config, "num_heads", len(accuracy))]
@@ -100,7 +145,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     prompt = torch.randint(0, vocab, (1, prefix_len), generator=gen).to(device)
     cache = DynamicCache()
     _, hidden, _ = target_forward(model, prompt, cache, last_only=True)
-    steps: dict[int, Callable[[], None]] = {}
+    runs: dict[tuple[str, int], Callable[[], None]] = {}
     per_size_choices: dict[int, list[list[int]]] = {}
     for n in sizes:
         choices = best_choices(accuracy, n - 1)
@@ -113,37 +158,43 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
             target_forward(model, tokens, cache, mask, positions)
             compact_cache(cache, prefix_len, [])  # back to the prefix: every timing sees the same cache
 
-        steps[tree.size] = step
+        runs[("step", tree.size)] = step
         per_size_choices[tree.size] = choices
-    # rounds over all sizes, keeping each size's fastest time: robust to other load on the machine
-    for step in steps.values():
-        step()  # warm-up
     if draft_for is None:
         draft_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
-        drafts = {None: lambda: medusa_logits(heads, hidden[0], len(accuracy), draft_weight)}
+        runs[("draft", 0)] = lambda: medusa_logits(heads, hidden[0], len(accuracy), draft_weight)
     else:
-        drafts = {size: draft_for(per_size_choices[size]) for size in steps}
-    draft_times = {key: math.inf for key in drafts}
-    step_ms = {size: math.inf for size in steps}
-    for _ in range(repeats):
-        for key, run in drafts.items():
-            draft_times[key] = min(draft_times[key], _time_ms(run))
-        for size, step in steps.items():
-            step_ms[size] = min(step_ms[size], _time_ms(step))
-    raw_step_ms = dict(step_ms)
-    step_ms = monotone_fit(step_ms)
+        runs.update({("draft", size): draft_for(per_size_choices[size]) for size in per_size_choices})
+    for run in runs.values():
+        run()  # warm-up
+    samples = timed_rounds(runs, max(1, repeats), timer)
+    one = samples[("step", 1)]  # the 1-token step of each round: every other timing is read relative to it
+    ratios = {size: [t / o for t, o in zip(samples[("step", size)], one)] for size in per_size_choices}
+    step_ratio = {size: statistics.median(r) for size, r in ratios.items()}
+    spread = {size: relative_mad(r) for size, r in ratios.items()}
+    draft_ratio = {size: statistics.median(t / o for t, o in zip(samples[("draft", size)], one))
+                   for kind, size in samples if kind == "draft"}
+    one_ms = statistics.median(one)
+    fitted = monotone_fit(step_ratio)
     expected: dict[int, float] = {}
-    for size in steps:
-        draft_ms = draft_times[None] if draft_for is None else draft_times[size]
-        cost = step_ms[size] + (draft_ms if size > 1 else 0.0)  # a one-node "tree" is plain decoding: no draft
-        expected[size] = 1000.0 * expected_accept_length(per_size_choices[size], accuracy) / cost
-    best = max(expected, key=lambda s: expected[s])
-    choices = per_size_choices[best]
-    draft_ms = draft_times[None] if draft_for is None else draft_times[best]
-    return TreeCalibration(choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
-                           step_ms=step_ms, raw_step_ms=raw_step_ms, draft_ms=draft_ms, expected_tokens_per_s=expected,
-                           accuracy_source=source, prefix_len=prefix_len, device=str(device),
-                           choices_by_size=per_size_choices)
+    for size, choices in per_size_choices.items():
+        draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
+        expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
+    noisy = max(spread.values()) > noise_limit
+    if noisy:
+        choices = best_choices(accuracy, fallback_nodes)
+    else:
+        choices = per_size_choices[max(expected, key=lambda s: expected[s])]
+    size = len(choices) + 1
+    draft_ms = one_ms * draft_ratio.get(0 if draft_for is None else size, 0.0)
+    return TreeCalibration(
+        choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
+        step_ms={s: one_ms * r for s, r in fitted.items()}, raw_step_ms={s: one_ms * r for s, r in step_ratio.items()},
+        step_ratio=step_ratio, spread=spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
+        draft_ms=draft_ms, draft_samples_ms={s: t for (kind, s), t in samples.items() if kind == "draft"},
+        expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
+        threads=torch.get_num_threads(), rounds=max(1, repeats), noisy=noisy, noise_limit=noise_limit,
+        chosen_by="fallback: too noisy" if noisy else "measurement", choices_by_size=per_size_choices)
 
 
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
@@ -183,3 +234,18 @@ def eagle_draft_timer(draft: torch.nn.Module, model: PreTrainedModel,
         return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
 
     return draft_for
+
+
+def stale_reason(record: dict, device: str, threads: int) -> str | None:
+    """Why a tree.json calibration record must be measured again on this device, or None if it can be reused."""
+    if "rounds" not in record or "noisy" not in record:
+        return "it was written by an older calibration (one statistic, no noise check)"
+    if record["noisy"]:
+        return "its timings were too noisy to trust"
+    if not record.get("choices"):
+        return "it chose no tree (plain decoding), which one calibration must not settle for good"
+    if record.get("device") != device:
+        return f"it was measured on {record.get('device')}, not {device}"
+    if device == "cpu" and record.get("threads") != threads:
+        return f"it was measured with {record.get('threads')} torch threads, not {threads}"
+    return None

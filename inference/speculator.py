@@ -18,8 +18,8 @@ from transformers import PreTrainedModel
 from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
-from inference.calibrate import (CALIBRATION_SIZES, TREE_FILE, TreeCalibration, calibrate_tree, eagle_draft_timer,
-                                 read_accuracy)
+from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
+                                 eagle_draft_timer, read_accuracy, stale_reason)
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
@@ -71,8 +71,9 @@ class Speculator:
         target: None (the target named in the heads' config), a name/path for heads.target.load_target, a loaded
         model, or a loaded (model, tokenizer, TargetInfo); a target with other weights than the heads were trained
         on is refused. Any loading problem is a SpeculatorError naming it and the fix.
-        tree: None (the heads dir's tree.json if any, else the default), "default", "auto" (calibrate on
-        this device and write tree.json), a path to a JSON file with "choices", or a list of choices.
+        tree: None (the heads dir's tree.json if any, else the default; a tree.json that inference.calibrate's
+        stale_reason rejects is measured again), "default", "auto" (calibrate on this device and write tree.json),
+        a path to a JSON file with "choices", or a list of choices.
         """
         try:
             heads_dir = resolve_heads_dir(heads)
@@ -93,7 +94,7 @@ class Speculator:
             return
         saved = self.heads_dir / TREE_FILE if self.heads_dir is not None else None
         if tree is None:
-            tree = str(saved) if saved is not None and saved.is_file() else "default"
+            tree = "default" if saved is None or not saved.is_file() else self._saved_tree(saved)
         if tree == "default":
             if self.is_eagle:
                 self.dynamic = DEFAULT_EAGLE_TREE
@@ -114,21 +115,39 @@ class Speculator:
             choices = tree
         self._use_choices([list(c) for c in choices if len(c) <= self.max_depth])
 
+    def _saved_tree(self, saved: Path) -> str:
+        """The heads dir's tree.json if its calibration can be reused here, else "auto" (measure again)."""
+        try:
+            record = json.loads(saved.read_text())
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "choices" not in record:
+            return str(saved)  # not a calibration record: its own error message, below
+        why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads())
+        if why is None:
+            return str(saved)
+        print(f"note: not reusing {saved}: {why}; calibrating the tree again", file=sys.stderr)
+        return "auto"
+
     def _use_choices(self, choices: list[list[int]]) -> None:
         if self.is_eagle:
             self.dynamic = dynamic_config_from_choices(choices)
         else:
             self.tree = tree_from_choices(choices)
 
-    def calibrate(self, sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256,
-                  repeats: int = 3) -> TreeCalibration:
+    def calibrate(self, sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256, repeats: int = ROUNDS,
+                  timer: Timer | None = None) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
         draft_for = eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else None
         if self.is_eagle and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight,
-                               draft_for)
+                               draft_for, timer)
+        if calib.noisy:
+            worst = max(calib.spread, key=calib.spread.get)
+            print(f"note: tree timings too noisy to trust (size {worst}: spread {calib.spread[worst]:.2f} > "
+                  f"{calib.noise_limit}); using the fallback tree of {len(calib.choices) + 1} nodes", file=sys.stderr)
         if self.heads_dir is not None:
             record = calib.to_json()
             if accuracy is not None:

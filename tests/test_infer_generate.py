@@ -281,14 +281,25 @@ def test_prompt_longer_than_context_and_zero_tokens():
         spec.generate(torch.zeros(0, dtype=torch.long), 4)
 
 
-def test_tree_auto_writes_tree_json_and_is_reused(saved):
+def steady_timer(kind: str, size: int, run) -> float:
+    """A scripted calibration timer (inference/calibrate.py): a step costs 10 ms + 1 ms a token, a draft 1 ms."""
+    return 1.0 if kind == "draft" else 10.0 + size
+
+
+def test_tree_auto_writes_tree_json_and_is_reused(saved, monkeypatch):
+    import inference.calibrate as calibrate_module
+
     model, _, heads_dir = saved
+    monkeypatch.setattr(calibrate_module, "time_ms", steady_timer)  # no wall-clock timing: the choice is fixed
     spec = Speculator.from_pretrained(str(heads_dir), target=model, tree="auto")
     record = json.loads((heads_dir / "tree.json").read_text())
-    assert record["accuracy_source"] == "default prior"
-    assert set(record["step_ms"]) == {str(n) for n in CALIBRATION_SIZES}
+    assert record["accuracy_source"] == "default prior" and record["chosen_by"] == "measurement"
+    assert not record["noisy"] and record["rounds"] == 5 and record["device"] == "cpu" and record["threads"] == 1
+    assert set(record["step_ms"]) == set(record["spread"]) == {str(n) for n in CALIBRATION_SIZES}
+    assert record["samples_ms"]["8"] == [18.0] * 5 and record["draft_samples_ms"] == {"0": [1.0] * 5}
     best = max(record["expected_tokens_per_s"], key=lambda k: record["expected_tokens_per_s"][k])
     assert len(record["choices"]) + 1 == int(best) == spec.tree.size
+    monkeypatch.setattr(calibrate_module, "time_ms", None)  # a reused tree.json is not timed again
     again = Speculator.from_pretrained(str(heads_dir), target=model)  # tree=None: reads tree.json
     assert again.tree.parents == spec.tree.parents
     default = Speculator.from_pretrained(str(heads_dir), target=model, tree="default")
@@ -300,12 +311,11 @@ def test_calibrate_uses_recorded_accuracy(saved):
     heads = random_heads(seed=2)
     # perfect top-1 heads: the chain [[0], [0, 0], [0, 0, 0]] gives 4 tokens per step at a small tree
     calib = calibrate_tree(model, heads, accuracy=[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], sizes=(1, 4), repeats=2,
-                           prefix_len=32)
+                           prefix_len=32, timer=steady_timer)
     assert calib.choices_by_size == {1: [], 4: [[0], [0, 0], [0, 0, 0]]}
-    assert calib.expected_tokens_per_s[4] == pytest.approx(4000.0 / (calib.step_ms[4] + calib.draft_ms))
-    assert calib.expected_tokens_per_s[1] == pytest.approx(1000.0 / calib.step_ms[1])
-    best = max(calib.expected_tokens_per_s, key=calib.expected_tokens_per_s.get)  # timing decides, not the test
-    assert calib.choices == calib.choices_by_size[best] and calib.accuracy_source == "heads"
+    assert calib.step_ms == {1: 11.0, 4: 14.0} and calib.draft_ms == 1.0
+    assert calib.expected_tokens_per_s == {1: 1000.0 / 11, 4: pytest.approx(4000.0 / 15)}
+    assert calib.choices == calib.choices_by_size[4] and calib.accuracy_source == "heads"
 
 
 def test_cli_streams_and_reports(saved, capsys):

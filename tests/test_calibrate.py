@@ -1,0 +1,135 @@
+"""Tree calibration on a busy machine: scripted timers (no wall-clock assertions) check that the choice survives
+a uniformly slower machine and spikes in a minority of rounds, that timings too noisy to trust fall back to the
+small default tree (never to plain decoding), and that an untrustworthy tree.json is measured again."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import inference.calibrate as calibrate_module
+from heads.medusa import MedusaConfig, MedusaHeads
+from inference.calibrate import FALLBACK_NODES, calibrate_tree, relative_mad, stale_reason
+from inference.speculator import Speculator
+from inference.tree import best_choices
+
+QUIET_MS = {1: 40, 2: 40, 3: 42, 4: 52, 6: 58, 8: 62, 12: 80, 16: 95, 32: 170, 64: 275}  # a CPU-like step curve
+DRAFT_MS = 2.0
+ACCURACY = [[0.6, 0.15, 0.08, 0.04], [0.5, 0.12, 0.06, 0.03], [0.4, 0.1, 0.05, 0.02]]
+QUIET_CHOICE = [[0], [0, 0]]  # what QUIET_MS and ACCURACY give: a 3-node chain (the neighbours 2 and 4 come close)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+class ScriptedTimer:
+    """timer(kind, size, run) -> ms from QUIET_MS (draft: DRAFT_MS) x factor(kind, size, round); never runs `run`."""
+
+    def __init__(self, factor=lambda kind, size, r: 1.0):
+        self.factor = factor
+        self.calls: dict[tuple[str, int], int] = {}
+
+    def __call__(self, kind: str, size: int, run) -> float:
+        r = self.calls.get((kind, size), 0)
+        self.calls[(kind, size)] = r + 1
+        return (DRAFT_MS if kind == "draft" else QUIET_MS[size]) * self.factor(kind, size, r)
+
+
+@pytest.fixture(scope="module")
+def model_and_heads():
+    model = tiny_model("llama", vocab_size=128, seed=1)
+    torch.manual_seed(0)
+    return model, MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=128, num_heads=3)).eval()
+
+
+def calibrate(model_and_heads, timer, **kwargs):
+    model, heads = model_and_heads
+    return calibrate_tree(model, heads, ACCURACY, prefix_len=32, timer=timer, **kwargs)
+
+
+def test_quiet_timings_choose_the_best_tree_and_record_what_was_measured(model_and_heads):
+    timer = ScriptedTimer()
+    calib = calibrate(model_and_heads, timer)
+    assert calib.choices == QUIET_CHOICE and not calib.noisy and calib.chosen_by == "measurement"
+    assert set(timer.calls.values()) == {5} and calib.rounds == 5  # every size and the draft, once per round
+    assert calib.step_ratio == {n: ms / 40 for n, ms in QUIET_MS.items()} and set(calib.spread.values()) == {0.0}
+    assert calib.samples_ms[8] == [62.0] * 5 and calib.draft_samples_ms == {0: [DRAFT_MS] * 5}
+    assert calib.draft_ms == DRAFT_MS and calib.device == "cpu" and calib.threads == 1
+    assert calib.expected_tokens_per_s[1] == pytest.approx(1000.0 / 40)
+    record = calib.to_json()
+    assert {"spread", "samples_ms", "rounds", "noisy", "device", "threads", "step_ratio"} <= set(record)
+    assert json.loads(json.dumps(record))["spread"]["64"] == 0.0
+
+
+def test_a_uniformly_slower_machine_chooses_the_same_tree(model_and_heads):
+    slow = calibrate(model_and_heads, ScriptedTimer(lambda kind, size, r: 8.0))
+    assert slow.choices == QUIET_CHOICE and not slow.noisy
+    assert slow.step_ms[64] == pytest.approx(8 * 275) and slow.draft_ms == pytest.approx(8 * DRAFT_MS)
+
+
+def test_load_that_drifts_from_round_to_round_is_read_relative_to_the_same_rounds_step(model_and_heads):
+    drift = calibrate(model_and_heads, ScriptedTimer(lambda kind, size, r: (1.0, 3.0, 1.5, 6.0, 2.0)[r]))
+    assert drift.choices == QUIET_CHOICE and not drift.noisy and max(drift.spread.values()) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("hit", [1, 3, 2])  # the 1-token step every ratio divides by, the chosen size, a neighbour
+def test_spikes_in_a_minority_of_rounds_change_nothing(model_and_heads, hit):
+    spiky = ScriptedTimer(lambda kind, size, r: 4.0 if kind == "step" and size == hit and r in (0, 2) else 1.0)
+    calib = calibrate(model_and_heads, spiky)
+    assert calib.choices == QUIET_CHOICE and not calib.noisy
+
+
+def test_timings_too_noisy_to_trust_fall_back_to_the_default_tree_not_to_no_tree(model_and_heads):
+    rng = random.Random(0)
+    calib = calibrate(model_and_heads, ScriptedTimer(lambda kind, size, r: rng.uniform(0.3, 3.0)))
+    assert calib.noisy and calib.chosen_by == "fallback: too noisy"
+    assert max(calib.spread.values()) > calib.noise_limit
+    assert calib.choices == best_choices(ACCURACY, FALLBACK_NODES) == [[0], [0, 0]]  # a tree, not plain decoding
+    assert calib.expected_accept_length > 1.0
+
+
+def test_relative_mad():
+    assert relative_mad([1.0, 1.0, 1.0, 9.0, 9.0]) == 0.0  # two spikes in five: no spread
+    assert relative_mad([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1 / 3)
+
+
+GOOD = {"choices": [[0]], "rounds": 5, "noisy": False, "device": "cpu", "threads": 1}
+
+
+@pytest.mark.parametrize("record,why", [
+    ({"choices": [[0]], "device": "cpu"}, "older calibration"),
+    (dict(GOOD, noisy=True), "too noisy"),
+    (dict(GOOD, choices=[]), "chose no tree"),
+    (dict(GOOD, device="cuda:0"), "measured on cuda:0"),
+    (dict(GOOD, threads=2), "2 torch threads"),
+])
+def test_an_untrustworthy_tree_json_is_measured_again(model_and_heads, tmp_path, monkeypatch, record, why, capsys):
+    model, heads = model_and_heads
+    assert why in stale_reason(record, "cpu", 1)
+    (tmp_path / "tree.json").write_text(json.dumps(record))
+    timer = ScriptedTimer()
+    monkeypatch.setattr(calibrate_module, "time_ms", timer)  # the default timer, as set_tree(None) calibrates
+    spec = Speculator(model, heads, heads_dir=tmp_path)
+    spec.set_tree(None)
+    assert timer.calls and why in capsys.readouterr().err
+    rewritten = json.loads((tmp_path / "tree.json").read_text())
+    quiet = calibrate_tree(model, heads, None, prefix_len=32, timer=ScriptedTimer())  # no accuracy in tmp_path
+    assert rewritten["choices"] == quiet.choices != [] and spec.tree.size == len(quiet.choices) + 1
+    assert stale_reason(rewritten, "cpu", 1) is None and rewritten["rounds"] == 5
+
+
+def test_a_trustworthy_tree_json_is_reused_without_timing(model_and_heads, tmp_path, monkeypatch):
+    model, heads = model_and_heads
+    assert stale_reason(GOOD, "cpu", 1) is None
+    (tmp_path / "tree.json").write_text(json.dumps(GOOD))
+
+    def no_timing(kind, size, run):
+        raise AssertionError("a trusted tree.json must not be re-measured")
+
+    monkeypatch.setattr(calibrate_module, "time_ms", no_timing)
+    spec = Speculator(model, heads, heads_dir=tmp_path)
+    spec.set_tree(None)
+    assert spec.tree.size == 2
