@@ -19,6 +19,9 @@ Figures (defined here; the README's "Benchmark" section reports them):
   tokens/s   generated tokens / wall seconds including the prefill, summed over prompts (total / total),
              timed the same way around every method (torch.cuda.synchronize on both sides on GPU)
   speedup    tokens/s of the method / tokens/s of vanilla
+  spread     per-prompt speedup (that prompt's tokens/s over vanilla's on the same prompt): min / median / mean /
+             max; and a 95% interval of the overall speedup: the 2.5th and 97.5th percentiles (nearest rank) of the
+             overall speedup over BOOTSTRAP_SAMPLES resamples of the prompts with replacement (seeded: reproducible)
   efficiency speedup / tau
   time split draft / verify / other seconds: heads from the Speculator's stats (verify = target forwards incl.
              the prefill, acceptance and cache compaction); prompt-lookup: verify = time inside the target's
@@ -34,8 +37,11 @@ import contextlib
 import datetime
 import glob
 import json
+import math
 import platform
+import random
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -50,6 +56,8 @@ SCHEMA_VERSION = 1
 WARMUP_TOKENS = 32  # the warm-up round decodes at most this many tokens per method
 RESERVED_NAMES = ("vanilla", "prompt_lookup")
 LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
+BOOTSTRAP_SAMPLES = 2000  # resamples of the prompts for the speedup's 95% interval
+BOOTSTRAP_SEED = 0
 
 
 class BenchError(ValueError):
@@ -297,6 +305,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def _tps(runs: Sequence[Run]) -> float | None:
+    """Tokens/s over runs: total tokens / total seconds."""
+    return _ratio(sum(len(r.tokens) for r in runs), sum(r.seconds for r in runs))
+
+
+def speedup_spread(runs: Sequence[Run], vanilla_runs: Sequence[Run], samples: int = BOOTSTRAP_SAMPLES,
+                   seed: int = BOOTSTRAP_SEED) -> dict:
+    """Per-prompt speedups and their min / median / mean / max; the overall speedup's 95% bootstrap interval."""
+    per_prompt = [_ratio(_tps([r]), _tps([v])) for r, v in zip(runs, vanilla_runs)]
+    known = [x for x in per_prompt if x is not None]
+    rng = random.Random(seed)
+    n = len(runs)
+    boot = sorted(x for x in (_ratio(_tps([runs[i] for i in pick]), _tps([vanilla_runs[i] for i in pick]))
+                              for pick in (rng.choices(range(n), k=n) for _ in range(samples))) if x is not None)
+    ci95 = [boot[max(math.ceil(q * len(boot)) - 1, 0)] for q in (0.025, 0.975)] if boot else None
+    figures = {"min": min, "median": statistics.median, "mean": statistics.mean, "max": max}
+    return {"per_prompt": per_prompt, **{k: f(known) if known else None for k, f in figures.items()},
+            "ci95": ci95, "bootstrap_samples": samples, "seed": seed}
+
+
 def _step_ms(runs: Sequence[Run]) -> float | None:
     """Mean ms per target forward after the prefill (heads: tree forward + acceptance + compaction)."""
     if any(r.decode_forwards is None for r in runs):
@@ -306,7 +334,6 @@ def _step_ms(runs: Sequence[Run]) -> float | None:
 
 def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], ids: Sequence[str]) -> dict:
     """Every figure for one method over `runs` (one per prompt, same order as vanilla_runs and ids)."""
-    vanilla_tps = _ratio(sum(len(r.tokens) for r in vanilla_runs), sum(r.seconds for r in vanilla_runs))
     tokens = sum(len(r.tokens) for r in runs)
     seconds = sum(r.seconds for r in runs)
     tps = _ratio(tokens, seconds)
@@ -317,7 +344,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
     else:
         forwards = sum(r.decode_forwards for r in runs)
         tau = _ratio(tokens - sum(1 for r in runs if r.tokens), forwards)  # the prefill's token is not a decode token
-    speedup = _ratio(tps, vanilla_tps)
+    speedup = _ratio(tps, _tps(vanilla_runs))
     draft = None if any(r.draft_s is None for r in runs) else sum(r.draft_s for r in runs)
     verify = sum(r.verify_s for r in runs)
     other = max(seconds - verify - (draft or 0.0), 0.0)
@@ -344,6 +371,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
         "kind": method.kind, **method.info,
         "prompts": len(runs), "new_tokens": tokens, "seconds": seconds, "tokens_per_s": tps,
         "decode_forwards": forwards, "tau": tau, "speedup": speedup, "efficiency": _ratio(speedup, tau),
+        "speedup_spread": speedup_spread(runs, vanilla_runs),
         "time_split": {"draft_s": draft, "verify_s": verify, "other_s": other,
                        "draft_frac": _ratio(draft, seconds), "verify_frac": _ratio(verify, seconds),
                        "other_frac": _ratio(other, seconds)},
@@ -378,6 +406,11 @@ def _split(s: dict) -> str:
     return " / ".join(parts)
 
 
+def _ci(s: dict) -> str:
+    ci = s["speedup_spread"]["ci95"]
+    return "n/a" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}x"
+
+
 def markdown(results: dict) -> str:
     st = results["settings"]
     lines = [f"Command: `{st['command']}`", "",
@@ -401,13 +434,24 @@ def markdown(results: dict) -> str:
         c = s["cost_model"]
         lines.append(f"| {name} | {_fmt(c['prefill_ms'], 1)} | {_fmt(c['step_ms'], 1)} | {_fmt(c['draft_ms'], 1)} | "
                      f"{_fmt(c['predicted_speedup'], 2, 'x')} | {_fmt(s['speedup'], 2, 'x')} |")
+    spread = results["methods"]["vanilla"]["speedup_spread"]
+    lines += ["", f"Speedup spread over prompts: per-prompt speedup = that prompt's tokens/s over vanilla's on it; "
+              f"95% CI = percentile bootstrap of the overall speedup ({spread['bootstrap_samples']} resamples of the "
+              f"prompts, seed {spread['seed']})", "",
+              "| method | speedup | 95% CI | per-prompt min | median | mean | max |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s in results["methods"].items():
+        p = s["speedup_spread"]
+        lines.append(f"| {name} | {_fmt(s['speedup'], 2, 'x')} | {_ci(s)} | "
+                     + " | ".join(_fmt(p[k], 2, "x") for k in ("min", "median", "mean", "max")) + " |")
     cats = results["categories"]
     if len(cats) > 1:
         names = list(results["methods"])
-        lines += ["", "Per category: speedup (tau)", "",
+        lines += ["", "Per category: speedup [95% CI] (tau)", "",
                   "| category | prompts | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
         for cat, by_method in cats.items():
-            cells = [f"{_fmt(by_method[n]['speedup'], 2, 'x')} ({_fmt(by_method[n]['tau'])})" for n in names]
+            cells = [f"{_fmt(by_method[n]['speedup'], 2, 'x')} [{_ci(by_method[n])}] ({_fmt(by_method[n]['tau'])})"
+                     for n in names]
             lines.append(f"| {cat} | {by_method[names[0]]['prompts']} | " + " | ".join(cells) + " |")
     if st["dtype"] != "float32":
         lines += ["", f"In {st['dtype']}, tree verification rounds differently from one-token steps, so some outputs may "
@@ -431,11 +475,21 @@ def plot(results: dict, path: Path) -> None:
     x = range(len(names))
     width = 0.38
     fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(names) + 2), 4))
-    bars_s = ax.bar([i - width / 2 for i in x], speedup, width, label="speedup vs vanilla (tokens/s)")
+    spreads = [results["methods"][n]["speedup_spread"] for n in names]
+    ci = [p["ci95"] or [s, s] for p, s in zip(spreads, speedup)]
+    errors = [[max(s - lo, 0.0) for s, (lo, _) in zip(speedup, ci)],
+              [max(hi - s, 0.0) for s, (_, hi) in zip(speedup, ci)]]
+    bars_s = ax.bar([i - width / 2 for i in x], speedup, width, yerr=errors, capsize=3,
+                    label="speedup vs vanilla (tokens/s), 95% CI")
+    for i, p in zip(x, spreads):
+        points = [v for v in p["per_prompt"] if v is not None]
+        offsets = [width * (0.6 * (j + 0.5) / len(points) - 0.3) for j in range(len(points))]
+        ax.scatter([i - width / 2 + o for o in offsets], points, s=6, color="black", zorder=3,
+                   label="per-prompt speedup" if i == 0 else None)
     bars_t = ax.bar([i + width / 2 for i in x], [t or 0.0 for t in tau], width, label="tau (tokens / target forward)")
-    for bar, value in zip(bars_s, speedup):
-        ax.annotate(f"{value:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+    for bar, value, (_, hi), p in zip(bars_s, speedup, ci, spreads):  # the label above the interval and the points
+        top = max([value, hi] + [v for v in p["per_prompt"] if v is not None])
+        ax.annotate(f"{value:.2f}x", (bar.get_x() + bar.get_width() / 2, top), ha="center", va="bottom", fontsize=8)
     for bar, value in zip(bars_t, tau):
         ax.annotate("n/a" if value is None else f"{value:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
@@ -561,10 +615,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
             for _, input_ids in bar:
                 for m in methods:
                     runs[m.name].append(m.run(input_ids, args.max_new_tokens))
-                v = runs["vanilla"]
-                vtps = _ratio(sum(len(r.tokens) for r in v), sum(r.seconds for r in v))
-                speedups = {m.name: _ratio(_ratio(sum(len(r.tokens) for r in runs[m.name]),
-                                                  sum(r.seconds for r in runs[m.name])), vtps) for m in methods[1:]}
+                speedups = {m.name: _ratio(_tps(runs[m.name]), _tps(runs["vanilla"])) for m in methods[1:]}
                 bar.set_postfix({name: f"{x or 0:.2f}x" for name, x in speedups.items()})
     finally:
         meter.remove()

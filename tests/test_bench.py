@@ -11,7 +11,7 @@ import torch
 from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
-from inference.bench import main
+from inference.bench import Method, Run, main, markdown, summarise_all
 from inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories
@@ -21,7 +21,8 @@ PROMPTS = [  # Spec-Bench style rows, two categories
 ]
 METHOD_KEYS = {"kind", "prompts", "new_tokens", "seconds", "tokens_per_s", "decode_forwards", "tau", "speedup",
                "efficiency", "time_split", "cost_model", "identical", "identical_of", "all_identical", "mismatches",
-               "accept_hist"}
+               "accept_hist", "speedup_spread"}
+SPREAD_KEYS = {"per_prompt", "min", "median", "mean", "max", "ci95", "bootstrap_samples", "seed"}
 COST_KEYS = {"prefill_ms", "step_ms", "draft_ms", "vanilla_step_ms", "predicted_speedup"}
 SPLIT_KEYS = {"draft_s", "verify_s", "other_s", "draft_frac", "verify_frac", "other_frac"}
 SETTINGS_KEYS = {"command", "date", "device", "dtype", "torch", "transformers", "target", "prompts", "num_prompts",
@@ -81,6 +82,12 @@ def test_results_have_every_figure_for_every_method(results):
         assert METHOD_KEYS <= set(m), name
         assert SPLIT_KEYS <= set(m["time_split"]), name
         assert COST_KEYS <= set(m["cost_model"]) and m["cost_model"]["step_ms"] > 0, name
+        spread = m["speedup_spread"]
+        assert set(spread) == SPREAD_KEYS and len(spread["per_prompt"]) == 3, name
+        assert spread["ci95"][0] <= m["speedup"] <= spread["ci95"][1] and spread["min"] <= spread["max"], name
+        for p, x in zip(res["prompts"], spread["per_prompt"]):  # that prompt's tokens/s over vanilla's on it
+            mine, van = p["runs"][name], p["runs"]["vanilla"]
+            assert x == pytest.approx((mine["new_tokens"] / mine["seconds"]) / (van["new_tokens"] / van["seconds"]))
         assert m["prompts"] == 3 and m["new_tokens"] > 0 and m["seconds"] > 0
         assert m["tokens_per_s"] == pytest.approx(m["new_tokens"] / m["seconds"])
         assert m["all_identical"] and m["identical"] == m["identical_of"] == 3, name  # greedy fp32: lossless
@@ -139,7 +146,8 @@ def test_category_breakdown_and_reports(results, capsys):
         assert set(cat) == set(res["methods"]) and all(METHOD_KEYS <= set(m) for m in cat.values())
     md = (out / "results.md").read_text()
     assert md.startswith("Command: `python -m inference.bench --heads ")
-    for cell in ("| vanilla |", "| a/heads |", "predicted speedup", "| writing |", "| coding |"):
+    for cell in ("| vanilla |", "| a/heads |", "predicted speedup", "| writing |", "| coding |", "95% CI",
+                 "| per-prompt min | median | mean | max |"):
         assert cell in md
     png = (out / "speedup.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -224,3 +232,45 @@ def test_medusa2_heads_run_against_their_adapter_merged_target(setup, tiny_targe
         want = [merged.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=stops)[0, len(ids):].tolist(),
                 base.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=stops)[0, len(ids):].tolist()]
         assert tokens == want[0] != want[1]
+
+
+def scripted(tokens: list[int], seconds: list[float]) -> list[Run]:
+    return [Run([7] * n, s, decode_forwards=n, draft_s=0.0, verify_s=s, prefill_s=0.0, step_s=s)
+            for n, s in zip(tokens, seconds)]
+
+
+def test_speedup_spread_against_a_hand_computation():
+    methods = [Method("vanilla", "vanilla", run=None), Method("heads", "medusa", run=None)]
+    runs = {"vanilla": scripted([10, 20, 5], [1.0, 2.0, 0.5]),  # 10 tokens/s on every prompt
+            "heads": scripted([10, 20, 5], [0.5, 2.5, 0.125])}  # 20, 8, 40 tokens/s
+    res = summarise_all(methods, runs, ["p0", "p1", "p2"])
+    spread = res["heads"]["speedup_spread"]
+    assert spread["per_prompt"] == [2.0, 0.8, 4.0]
+    assert (spread["min"], spread["median"], spread["max"]) == (0.8, 2.0, 4.0)
+    assert spread["mean"] == pytest.approx(6.8 / 3)
+    assert res["heads"]["speedup"] == pytest.approx((35 / 3.125) / (35 / 3.5))  # overall: total / total
+    # The overall speedup of a resample is a weighted mean of its prompts' speedups, so it lies in
+    # [0.8, 4.0] and reaches an end only when all three draws are the same prompt (1 in 27 resamples, more
+    # than 2.5% of them): the 95% interval is exactly [0.8, 4.0].
+    assert spread["ci95"] == pytest.approx([0.8, 4.0]) and (spread["bootstrap_samples"], spread["seed"]) == (2000, 0)
+    assert summarise_all(methods, runs, ["p0", "p1", "p2"])["heads"]["speedup_spread"] == spread  # seeded
+    vanilla = res["vanilla"]["speedup_spread"]
+    assert vanilla["per_prompt"] == [1.0] * 3 and vanilla["ci95"] == [1.0, 1.0] and vanilla["mean"] == 1.0
+    category = summarise_all(methods, runs, ["p0", "p1", "p2"], index=[0, 2])["heads"]["speedup_spread"]
+    assert category["per_prompt"] == [2.0, 4.0] and category["ci95"] == pytest.approx([2.0, 4.0])
+    assert category["median"] == category["mean"] == 3.0
+
+
+def test_speedup_spread_skips_prompts_without_tokens_and_is_in_the_report(results):
+    methods = [Method("vanilla", "vanilla", run=None), Method("heads", "medusa", run=None)]
+    runs = {"vanilla": scripted([0, 10, 10, 10], [0.1, 1.0, 1.0, 1.0]),
+            "heads": scripted([0, 10, 10, 10], [0.1, 0.5, 0.25, 1.0])}
+    spread = summarise_all(methods, runs, ["a", "b", "c", "d"])["heads"]["speedup_spread"]
+    assert spread["per_prompt"] == [None, 2.0, 4.0, 1.0] and (spread["min"], spread["median"], spread["max"]) == (
+        1.0, 2.0, 4.0)
+    assert 1.0 <= spread["ci95"][0] < spread["ci95"][1] <= 4.0
+    _, res = results
+    res = dict(res, methods={name: dict(m) for name, m in res["methods"].items()})
+    res["methods"]["a/heads"]["speedup_spread"] = spread
+    assert "| a/heads | " in markdown(res) and "| 1.00-" in markdown(res) and " | 1.00x | 2.00x | 2.33x | 4.00x |" in (
+        markdown(res))
