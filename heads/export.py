@@ -207,7 +207,6 @@ def _eagle3(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, 
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "speculators_version": "0.3.0",
         "transformer_layer_config": dict(layer, architectures=["LlamaForCausalLM"]),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
