@@ -148,7 +148,12 @@ def compare(args: argparse.Namespace) -> int:
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
                            args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
                            no_weights_track="token_map" in info["notes"])
+            # headstart's tau counts every new token (the prefill's included); vLLM's 1 + accepted / drafts counts
+            # those written after the prefill: the same steps give a slightly lower vLLM figure
             row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
+                   "headstart_decode_forwards": hs["decode_forwards"],
+                   "headstart_tokens_after_prefill_per_step": round(
+                       (hs["new_tokens"] - len(prompts)) / max(hs["decode_forwards"], 1), 4),
                    "headstart_identical_to_vllm_base": f"{hs_identical}/{len(prompts)}"}
             if "error" in run:
                 row["error"] = run["error"]
@@ -159,6 +164,7 @@ def compare(args: argparse.Namespace) -> int:
                            vllm_accepted_per_pos=run.get("accepted_per_pos"), vllm_counters=run.get("counters"),
                            identical_to_vllm_without_draft=f"{same}/{len(prompts)}",
                            relative_difference=round((mal - hs["tau"]) / hs["tau"], 4) if mal else None,
+                           vllm_num_drafts=(run.get("counters") or {}).get("vllm:spec_decode_num_drafts"),
                            vllm_generate_s=run["generate_s"], vllm_load_s=run["load_s"])
                 if "fc_bias_fold" in info["notes"]:
                     row["fc_bias_fold_residual"] = info["notes"]["fc_bias_fold"]["max_abs_residual"]
