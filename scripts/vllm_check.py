@@ -15,8 +15,9 @@ two modes:
     python scripts/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
         [--draft DIR --method eagle3 --k 3 [--no_weights_track]]
 
-Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens /
-target forwards in the decode phase (bonus token included), with lookup off and a chain tree of depth k. Both fp32,
+Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens
+written after the prefill / target forwards in the decode phase (bonus token included; GenerateStats.tau over all
+prompts), with lookup off and a chain tree of depth k. Both fp32,
 greedy. `compare` writes results.json and results.md under --output.
 """
 
@@ -90,7 +91,9 @@ def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_to
         outputs.append(list(out.tokens))
         tokens += out.stats.new_tokens
         forwards += out.stats.decode_forwards
-    return {"outputs": outputs, "tau": tokens / max(forwards, 1), "new_tokens": tokens, "decode_forwards": forwards}
+    # tau as GenerateStats.tau defines it, over all prompts: the prefill's token excluded
+    tau = (tokens - len(prompts)) / max(forwards, 1)
+    return {"outputs": outputs, "tau": tau, "new_tokens": tokens, "decode_forwards": forwards}
 
 
 def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, max_new_tokens: int,
@@ -148,12 +151,9 @@ def compare(args: argparse.Namespace) -> int:
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
                            args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
                            no_weights_track="token_map" in info["notes"])
-            # headstart's tau counts every new token (the prefill's included); vLLM's 1 + accepted / drafts counts
-            # those written after the prefill: the same steps give a slightly lower vLLM figure
+            # both count the tokens written after the prefill per decode step (vLLM: 1 + accepted / drafts)
             row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
                    "headstart_decode_forwards": hs["decode_forwards"],
-                   "headstart_tokens_after_prefill_per_step": round(
-                       (hs["new_tokens"] - len(prompts)) / max(hs["decode_forwards"], 1), 4),
                    "headstart_identical_to_vllm_base": f"{hs_identical}/{len(prompts)}"}
             if "error" in run:
                 row["error"] = run["error"]
