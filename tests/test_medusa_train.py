@@ -275,6 +275,17 @@ def test_failed_push_keeps_local_copy(tiny_target_dir, sd_dir, tmp_path, monkeyp
     load_heads(tmp_path / "heads")
 
 
+def test_failed_push_of_an_engine_export_keeps_both_copies(tiny_target_dir, sd_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    main(base_args(tiny_target_dir, sd_dir, tmp_path, "--max_steps", "2", "--push_to_hub", "someone/medusa-vllm",
+                   "--push_format", "vllm"))
+    out = capsys.readouterr().out
+    assert "push to the Hub failed" in out and "hf upload someone/medusa-vllm" in out
+    load_heads(tmp_path / "heads")
+    exported = json.loads((tmp_path / "heads-vllm" / "config.json").read_text())
+    assert exported["model_type"] == "medusa" and exported["num_heads"] == 3
+
+
 def test_every_medusa_recipe_parses():
     from train.config import parse_config
     from train.medusa import MedusaTrainConfig, check_config

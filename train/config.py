@@ -61,12 +61,15 @@ class TrainRunConfig:
     report_to: str = "none"  # none | wandb | tensorboard
     log_every: int = 10
     push_to_hub: Optional[str] = None  # Hub repo id to upload the heads directory to at the end
+    push_format: str = "headstart"  # headstart (the heads directory) | vllm | sglang | speculators (heads/export.py)
 
 
 def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
     """The checks every training script makes on the shared fields; `methods`: the script's."""
     if cfg.method not in methods:
         raise ConfigError(f"method must be {' or '.join(map(repr, methods))}, got {cfg.method!r}")
+    if cfg.push_format not in ("headstart", "vllm", "sglang", "speculators"):
+        raise ConfigError(f"push_format must be headstart, vllm, sglang or speculators, got {cfg.push_format!r}")
     if cfg.report_to not in ("none", "wandb", "tensorboard"):
         raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
     if cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:

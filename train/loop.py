@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from heads.directory import push_heads_dir
+from heads.export import ExportError, export_and_push
 from heads.target import load_target
 from train.config import ConfigError, TrainRunConfig, parse_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
@@ -326,12 +327,23 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
         (heads_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
         accelerator.print(f"heads written to {heads_dir}; held-out top-1 per {unit} {metrics['top1']}, top-5 {metrics['top5']}")
         if cfg.push_to_hub:
-            push_heads_dir(heads_dir, cfg.push_to_hub)
+            push(heads_dir, cfg.push_to_hub, cfg.push_format)
     if cfg.report_to != "none":
         accelerator.log({f"eval/{unit}{k + 1}_top1": a for k, a in enumerate(metrics["top1"])}, step=trained.step)
     accelerator.wait_for_everyone()
     end_run(accelerator)
     return metrics
+
+
+def push(heads_dir: Path, repo_id: str, fmt: str) -> None:
+    """Upload the heads directory, or its export for a serving engine; a refusal or failure keeps the local copies."""
+    if fmt == "headstart":
+        push_heads_dir(heads_dir, repo_id)
+        return
+    try:
+        export_and_push(heads_dir, repo_id, fmt)
+    except ExportError as err:
+        print(f"not pushed: the {fmt} export was refused ({err}); the heads are kept in {heads_dir}")
 
 
 def end_run(accelerator: Accelerator) -> None:
