@@ -95,18 +95,14 @@ def _target_weights(heads, target) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, h], lm_head [V, h]) of the heads' target: `target` (a loaded model, or a name / path for
     heads.target.load_target), else the target the heads name; checked against the recorded fingerprint."""
     from heads.directory import check_target
-    from heads.target import load_target, target_info
+    from heads.load import resolve_target
 
     if target is None:
         target = heads.config.target.get("name")
         if not target:
             raise ExportError("these heads name no target, and this export needs the target's embedding / lm_head: "
                               "pass target=")
-    if isinstance(target, (str, Path)):
-        model, _, info = load_target(str(target))
-    else:
-        model = target
-        info = target_info(getattr(model.config, "_name_or_path", "") or type(model).__name__, model)
+    model, _, info = resolve_target(target)
     check_target(heads.config, info, where="the heads being exported")
     return (model.get_input_embeddings().weight.detach().float().cpu(),
             model.get_output_embeddings().weight.detach().float().cpu())

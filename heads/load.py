@@ -55,28 +55,31 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
     target is checked against the recorded fingerprint. When the heads directory has `adapter/` (Medusa-2) the
     LoRA adapter is merged into the returned model (a model passed in is copied first, never modified).
     """
-    from heads.target import load_target, target_info
-
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     method = read_method(heads_dir)
     if target is None:
-        named = read_config(heads_dir, EagleConfig if method in EAGLE_METHODS else MedusaConfig,
-                            EAGLE_METHODS + MEDUSA_METHODS, "heads").target.get("name")
-        if not named:
+        target = read_config(heads_dir, EagleConfig if method in EAGLE_METHODS else MedusaConfig,
+                             EAGLE_METHODS + MEDUSA_METHODS, "heads").target.get("name")
+        if not target:
             raise HeadsLoadError(f"{heads_dir}/config.json names no target: pass one (a model or its path)")
-        target = named
-    if isinstance(target, (str, Path)):
-        model, tokenizer, info = load_target(str(target), dtype, device)
-    elif isinstance(target, tuple):
-        model, tokenizer, info = target
-    else:
-        model, tokenizer = target, None
-        info = target_info(getattr(model.config, "_name_or_path", "") or type(model).__name__, model)
+    model, tokenizer, info = resolve_target(target, dtype, device)
     heads = load_heads(heads_dir, info, device=device)
     if getattr(heads.config, "adapter", False):
         owned = isinstance(target, (str, Path))
         model = merge_adapter(model if owned else copy.deepcopy(model), heads_dir / ADAPTER_DIR)
     return heads.to(dtype=next(model.parameters()).dtype), model, tokenizer, info
+
+
+def resolve_target(target: Any, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
+    """(model, tokenizer, TargetInfo) from a name / path (loaded with heads.target.load_target), a loaded model (its
+    fingerprint computed; tokenizer None) or an already loaded (model, tokenizer, TargetInfo)."""
+    from heads.target import load_target, target_info
+
+    if isinstance(target, (str, Path)):
+        return load_target(str(target), dtype, device)
+    if isinstance(target, tuple):
+        return target
+    return target, None, target_info(getattr(target.config, "_name_or_path", "") or type(target).__name__, target)
 
 
 def merge_adapter(model, adapter_dir: Path):
