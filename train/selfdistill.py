@@ -6,9 +6,14 @@
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16
     # several processes (GPUs, or two CPU processes): batches are sharded, the result is the same
     accelerate launch --multi_gpu --num_processes 2 train/selfdistill.py --config ... --output_dir runs/sd
+    # a serving engine (train/engines.py): vLLM in this process, or OpenAI-compatible servers
+    python train/selfdistill.py --config ... --backend vllm --tensor_parallel_size 2
+    python train/selfdistill.py --config ... --backend openai --server_url http://host1:8000 http://host2:8000
 
 The target answers turn by turn through its own chat template (heads/chat.py: the renderer inference uses
-too), with its earlier answers fed back in multi-turn conversations; greedy (temperature 0) or sampled.
+too), with its earlier answers fed back in multi-turn conversations; greedy (temperature 0) or sampled. Every
+backend gets the prompts as token ids and returns the generated token ids; the rows are built from those ids here,
+the same way for every backend.
 Batches are fixed by the prompt order, so the result does not depend on the number of processes; each
 finished batch is written to `OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the
 batches already there.
@@ -17,7 +22,8 @@ Output, in OUTPUT_DIR:
   dataset/    a `datasets` dataset: id, category, conversation [{role, content}], input_ids,
               loss_mask (1 exactly on the tokens the target wrote, its end-of-turn token included),
               num_generated
-  meta.json   target name and fingerprint, generation settings, counts of rows and of skips by reason
+  meta.json   target name and fingerprint, generation settings, the engine (backend and its settings), counts
+              of rows and of skips by reason
   parts/      one JSON file per finished batch (what resume reads)
 """
 
@@ -35,16 +41,18 @@ from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from heads.chat import render_chat, stop_token_ids
 from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target
-from train.config import parse_config
+from train.config import ConfigError, parse_config
+from train.engines import BACKENDS, make_engine
 
-# settings that change the rows: a rerun into the same directory must use the same ones
+# settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
+# and in-flight counts do not change them)
 RESULT_FIELDS = ("target", "prompts", "num_prompts", "max_turns", "max_new_tokens", "max_length", "batch_size",
-                 "temperature", "top_p", "seed", "dtype", "system_prompt", "chat_template")
+                 "temperature", "top_p", "seed", "dtype", "system_prompt", "chat_template", "backend")
 
 
 @dataclass
@@ -65,6 +73,15 @@ class SelfDistillConfig:
     device: Optional[str] = None  # default: accelerate's device for this process
     system_prompt: Optional[str] = None  # None: the chat template's own default
     chat_template: Optional[str] = None  # a Jinja string or .jinja file, for tokenizers that have none
+    backend: str = "hf"  # hf (transformers generate here) | vllm (vllm.LLM here) | openai (servers); train/engines.py
+    # vllm
+    tensor_parallel_size: int = 1  # GPUs per engine; data parallel = several processes (accelerate launch)
+    gpu_memory_utilization: float = 0.9  # vLLM's share of (GPU) memory; 0.3 on a CPU machine
+    # openai
+    server_url: Optional[list[str]] = None  # base URLs of OpenAI-compatible servers serving the target
+    max_in_flight: int = 64  # requests in flight at once, over all servers
+    max_retries: int = 3  # failures in a row after which a server is dropped for the run
+    request_timeout_s: float = 600.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,10 +127,10 @@ def render_with_mask(
 # one batch of conversations, turn by turn
 
 
-@torch.no_grad()
-def distill_batch(model, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
+def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
                   batch_index: int) -> tuple[list[dict], collections.Counter, int]:
-    """Answer up to max_turns user turns of each conversation. Returns (records, skip counts, tokens generated)."""
+    """Answer up to max_turns user turns of each conversation through `engine` (train/engines.py).
+    Returns (records, skip counts, tokens generated)."""
     skipped: collections.Counter = collections.Counter()
     messages: list[list[dict]] = []
     for row in rows:
@@ -122,12 +139,6 @@ def distill_batch(model, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfi
     ended_with_eos: list[list[bool]] = [[] for _ in rows]
     generated_counts = [0] * len(rows)
     stopped = [False] * len(rows)
-    pad_id = tokenizer.pad_token_id
-    generation = GenerationConfig(
-        max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0, pad_token_id=pad_id,
-        eos_token_id=sorted(eos_ids), **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
-                                        if cfg.temperature > 0 else {}),
-    )
     for turn in range(cfg.max_turns):
         active, prompts = [], []
         for i, row in enumerate(rows):
@@ -142,14 +153,8 @@ def distill_batch(model, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfi
             prompts.append(ids)
         if not active:
             break
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padding
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        torch.manual_seed(cfg.seed + 1000 * batch_index + turn)  # the same draws on any rerun
-        out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                             generation_config=generation)
-        for row_in_batch, i in enumerate(active):
-            new = out[row_in_batch, width:].tolist()
+        answers = engine.generate(prompts, seed=cfg.seed + 1000 * batch_index + turn)  # the same draws on any rerun
+        for new, i in zip(answers, active):
             ended = False
             for j, token in enumerate(new):
                 if token in eos_ids:
@@ -193,7 +198,9 @@ def _check_settings(output_dir: Path, cfg: SelfDistillConfig, is_main: bool) -> 
     settings = {k: getattr(cfg, k) for k in RESULT_FIELDS}
     run_file = output_dir / "run.json"
     if run_file.is_file():
-        previous = json.loads(run_file.read_text())
+        # a field added after that run was written: the run had its default (runs before `backend` used hf)
+        defaults = {f.name: f.default for f in dataclasses.fields(SelfDistillConfig)}
+        previous = {k: v for k, v in defaults.items() if k in settings} | json.loads(run_file.read_text())
         differing = sorted(k for k in settings if previous.get(k) != settings[k])
         if differing:
             raise ValueError(
@@ -227,8 +234,11 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
     import datasets
     from accelerate import Accelerator
 
-    # without cpu=True accelerate sets up no process group on a machine without GPUs (world size 1 each)
-    accelerator = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available())
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    # without cpu=True accelerate sets up no process group on a machine without GPUs (world size 1 each); an
+    # engine backend leaves the GPUs to the engine
+    accelerator = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available() or cfg.backend != "hf")
     output_dir = Path(cfg.output_dir)
     _check_settings(output_dir, cfg, accelerator.is_main_process)
     accelerator.wait_for_everyone()
@@ -240,7 +250,8 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
     source = load_prompts(cfg.prompts, limit=cfg.num_prompts)
     if not source.rows:
         raise ValueError(f"prompt source {cfg.prompts!r} gave no usable rows (skipped: {dict(source.skipped)})")
-    device = cfg.device or accelerator.device
+    # an engine backend loads the target here too (CPU), for its tokenizer, stop tokens and fingerprint
+    device = (cfg.device or accelerator.device) if cfg.backend == "hf" else "cpu"
     model, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=device)
     if cfg.chat_template:
         tokenizer.chat_template = _load_chat_template(cfg.chat_template)
@@ -251,6 +262,9 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
             "(a Jinja string or a path to a .jinja file)."
         )
     eos_ids = set(stop_token_ids(tokenizer, model.generation_config))
+    engine = make_engine(cfg, model, tokenizer, eos_ids, accelerator.local_process_index,
+                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    del model  # the hf engine holds it; the others do not need it
 
     # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
     order = sorted(range(len(source.rows)), key=lambda i: (len(source.rows[i].turns[0]), i))
@@ -265,7 +279,7 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
     start, tokens = time.perf_counter(), 0
     for k in bar:
         rows = [source.rows[i] for i in batches[k]]
-        records, skipped, generated = distill_batch(model, tokenizer, rows, cfg, eos_ids, k)
+        records, skipped, generated = distill_batch(engine, tokenizer, rows, cfg, eos_ids, k)
         for record in records:
             record["source_index"] = batches[k][record.pop("batch_position")]
         _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
@@ -291,7 +305,8 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
         os.replace(tmp, output_dir / "dataset")
         meta = {
             "target": info.to_dict(),
-            "generation": {k: getattr(cfg, k) for k in RESULT_FIELDS if k != "target"},
+            "generation": {k: getattr(cfg, k) for k in RESULT_FIELDS if k not in ("target", "backend")},
+            "engine": engine.describe(),
             "rows": len(records),
             "prompts_read": len(source.rows) + sum(source.skipped.values()),
             "generated_tokens": generated,
@@ -301,8 +316,9 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
                          "generated_tokens_per_s_main_process": round(tokens / elapsed, 1) if elapsed else None},
         }
         _write_json_atomic(output_dir / "meta.json", meta)
-        print(f"wrote {len(records)} conversations ({generated} generated tokens) to {output_dir}/dataset; "
-              f"skipped: {dict(skipped) or 'none'}")
+        print(f"wrote {len(records)} conversations ({generated} generated tokens; this run "
+              f"{meta['this_run']['generated_tokens_per_s_main_process']} tok/s, {cfg.backend}) to "
+              f"{output_dir}/dataset; skipped: {dict(skipped) or 'none'}")
     accelerator.wait_for_everyone()
     return output_dir
 

