@@ -215,16 +215,31 @@ def workdir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def docs_server(docs_target):
+    """A fake OpenAI-compatible server on the tiny target (tests/fake_openai.py), for `--backend openai` commands."""
+    from fake_openai import FakeServer
+
+    server = FakeServer(docs_target).start()
+    yield server
+    server.stop()
+
+
 COMMANDS = all_commands()
 
 
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[f"{w}:{i}" for i, (w, _) in enumerate(COMMANDS)])
-def test_documented_command_runs(where, command, workdir, docs_target, monkeypatch, one_thread):
+def test_documented_command_runs(where, command, workdir, docs_target, monkeypatch, one_thread, request):
     module, args = script_and_args(command)
     if module == "scripts.vllm_check" or module.startswith("vllm."):
         pytest.skip("vLLM's own commands need vLLM and heads trained on the embedded target: the vLLM lane (tests/test_vllm.py, with "
                     "HEADSTART_VLLM_PYTHON and HEADSTART_VLLM_HEADS) makes the same comparison")
+    backend = last_value(args, "--backend") if module == "train.selfdistill" else None
+    if backend == "vllm":
+        pytest.skip("--backend vllm needs vLLM: the vLLM lane of tests/test_selfdistill_engines.py (HEADSTART_VLLM_PYTHON) runs it")
     args = reduce_args(module, args, docs_target)
+    if backend == "openai":  # the servers shown are vLLM's: a fake one on the tiny target answers instead
+        args += ["--server_url", request.getfixturevalue("docs_server").url]
     monkeypatch.chdir(workdir)
     before = written_at(module, args)
     printed = io.StringIO()
