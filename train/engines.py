@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -169,24 +170,24 @@ def _names_target(served: dict, target: str) -> bool:
     return any(Path(str(served.get(key, "")).rstrip("/")).name == want for key in ("id", "root"))
 
 
+@dataclass
 class Server:
     """One endpoint: its base URL, the model name to ask for, its health."""
 
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        self.model = ""
-        self.in_flight = 0
-        self.failures = 0  # in a row
-        self.alive = True
+    url: str  # without a trailing /
+    model: str = ""  # as /v1/models lists it
+    in_flight: int = 0
+    failures: int = 0  # in a row
+    alive: bool = True
 
 
 class OpenAIEngine:
-    def __init__(self, cfg, tokenizer, eos_ids: set[int], log=print):
+    def __init__(self, cfg, tokenizer, eos_ids: set[int]):
         if not cfg.server_url:
             raise EngineError("--backend openai needs --server_url URL [URL ...] (servers started with "
                               f"`{SERVE_COMMAND}`)")
-        self.cfg, self.eos_ids, self.log = cfg, sorted(eos_ids), log
-        self.servers = [Server(url) for url in cfg.server_url]
+        self.cfg, self.eos_ids = cfg, sorted(eos_ids)
+        self.servers = [Server(url.rstrip("/")) for url in cfg.server_url]
         self.lock = threading.Lock()
         for server in self.servers:
             self._check(server, tokenizer)
@@ -280,7 +281,7 @@ class OpenAIEngine:
                     server.failures += 1
                     if server.failures >= self.cfg.max_retries and server.alive:
                         server.alive = False
-                        self.log(f"server {server.url} failed {server.failures} times in a row ({err}); "
+                        print(f"server {server.url} failed {server.failures} times in a row ({err}); "
                                  "its prompts go to the other servers")
                 time.sleep(min(8.0, 0.25 * 2 ** attempt))  # backoff
                 attempt += 1
