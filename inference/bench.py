@@ -547,6 +547,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     from heads.chat import prompt_ids, stop_token_ids
     from heads.prompts import PromptSourceError, load_prompts
     from heads.target import TargetLoadError, load_target
+    from inference.cpu_linear import linear_kernel
     from inference.decode import SpeculatorError, check_context
     from inference.speculator import Speculator
 
@@ -633,7 +634,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-        "torch_threads": torch.get_num_threads(), "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(), "dtype": args.dtype, "linear": linear_kernel(model),
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "target": info.to_dict() if hasattr(info, "to_dict") else dict(info),
         "adapter_merged": str(entries[0].path) if entries[0].adapter else None,

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from inference.cpu_linear import linear_kernel, projection
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
@@ -54,6 +55,7 @@ class TreeCalibration:
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
     prefix_len: int
     device: str
+    linear: str  # the target's linear kernels: "onednn" (inference/cpu_linear.py) or "default"
     threads: int  # torch CPU threads during the timings
     rounds: int
     noisy: bool  # some size's spread > noise_limit: choices is the fallback tree, not the measured best
@@ -161,8 +163,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         runs[("step", tree.size)] = step
         per_size_choices[tree.size] = choices
     if draft_for is None:
-        draft_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
-        runs[("draft", 0)] = lambda: medusa_logits(heads, hidden[0], len(accuracy), draft_weight)
+        project = projection(heads.draft_lm_head_weight(lm_head_weight)) if lm_head_weight is not None else None
+        runs[("draft", 0)] = lambda: medusa_logits(heads, hidden[0], len(accuracy), project)
     else:
         runs.update({("draft", size): draft_for(per_size_choices[size]) for size in per_size_choices})
     for run in runs.values():
@@ -193,7 +195,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         step_ratio=step_ratio, spread=spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
         draft_ms=draft_ms, draft_samples_ms={s: t for (kind, s), t in samples.items() if kind == "draft"},
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
-        threads=torch.get_num_threads(), rounds=max(1, repeats), noisy=noisy, noise_limit=noise_limit,
+        linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=max(1, repeats), noisy=noisy, noise_limit=noise_limit,
         chosen_by="fallback: too noisy" if noisy else "measurement", choices_by_size=per_size_choices)
 
 
@@ -236,7 +238,7 @@ def eagle_draft_timer(draft: torch.nn.Module, model: PreTrainedModel,
     return draft_for
 
 
-def stale_reason(record: dict, device: str, threads: int) -> str | None:
+def stale_reason(record: dict, device: str, threads: int, linear: str = "default") -> str | None:
     """Why a tree.json calibration record must be measured again on this device, or None if it can be reused."""
     if "rounds" not in record or "noisy" not in record:
         return "it was written by an older calibration (one statistic, no noise check)"
@@ -246,6 +248,8 @@ def stale_reason(record: dict, device: str, threads: int) -> str | None:
         return "it chose no tree (plain decoding), which one calibration must not settle for good"
     if record.get("device") != device:
         return f"it was measured on {record.get('device')}, not {device}"
+    if record.get("linear", "default") != linear:
+        return f"it was measured with the {record.get('linear', 'default')} linear kernels, not {linear}"
     if device == "cpu" and record.get("threads") != threads:
         return f"it was measured with {record.get('threads')} torch threads, not {threads}"
     return None

@@ -6,8 +6,11 @@ after the root; the node at depth d and rank r of the tree gets head d - 1's ran
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
+from inference.cpu_linear import projection
 from inference.tree import DraftInput, Tree, static_tree_tokens
 
 
@@ -22,28 +25,29 @@ class MedusaProposer:
         self.heads = heads
         self.tree = tree
         # the rows of the shared lm_head the heads score (their draft vocabulary), sliced once
-        self.lm_head_weight = heads.draft_lm_head_weight(lm_head_weight) if lm_head_weight is not None else None
+        self.project = projection(heads.draft_lm_head_weight(lm_head_weight)) if lm_head_weight is not None else None
         self.topk = max(tree.ranks) + 1
 
     @torch.no_grad()
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
         if self.tree.max_depth == 0:  # a root-only tree: plain decoding (what `auto` picks when drafting never pays)
             return self.tree, torch.tensor([draft.root], dtype=torch.long)
-        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.lm_head_weight)  # [depth, Vd]
+        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.project)  # [depth, Vd]
         topk_tokens = self.heads.to_target_ids(logits.topk(self.topk, dim=-1).indices)  # [depth, k] target ids
         return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
 
 
 def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
-                  lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+                  project: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """hidden [h] -> logits [depth, V] of the first `depth` heads only (a full-vocabulary head is costly).
 
-    lm_head_weight: the shared lm_head rows the heads score ([Vd, h] with a draft vocabulary: `draft_lm_head_weight`);
-    the logits index those rows.
+    project: for heads that share the target's lm_head, features [depth, h] -> logits over the rows they score
+    (`projection(heads.draft_lm_head_weight(lm_head_weight))`: [Vd, h] with a draft vocabulary); the logits index
+    those rows.
     """
     feats = torch.stack([heads.blocks[k](hidden) for k in range(depth)])  # [depth, h]
     if heads.lm_heads is None:
-        if lm_head_weight is None:
-            raise ValueError("these Medusa heads share the target's lm_head: pass lm_head_weight")
-        return feats @ lm_head_weight.t()  # one matmul for all heads
+        if project is None:
+            raise ValueError("these Medusa heads share the target's lm_head: pass its projection")
+        return project(feats)  # one matmul for all heads
     return torch.stack([heads.lm_heads[k](feats[k]) for k in range(depth)])

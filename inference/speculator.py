@@ -20,6 +20,7 @@ from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  eagle_draft_timer, read_accuracy, stale_reason)
+from inference.cpu_linear import linear_kernel, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
@@ -34,11 +35,17 @@ class Speculator:
 
     Medusa heads draft a static tree (`self.tree`); an EAGLE draft grows a dynamic tree of `self.dynamic`'s
     size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
-    greedy decoding / distribution (a target you pass in is copied first, never modified).
+    greedy decoding / distribution (a target you pass in is copied first). In float32 on a CPU the target's and
+    the heads' nn.Linear layers are switched to oneDNN kernels in place (inference/cpu_linear.py: the same weights;
+    plain decoding on the same model then runs on the same kernels); `onednn=False` leaves them as they are.
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
-                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True):
+                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True,
+                 onednn: bool = True):
+        if onednn:  # float32 on a CPU: the target's and the heads' linear layers through oneDNN, in place
+            use_onednn_linears(model)
+            use_onednn_linears(heads)
         self.model = model
         self.heads = heads
         self.tokenizer = tokenizer
@@ -123,7 +130,8 @@ class Speculator:
             record = None
         if not isinstance(record, dict) or "choices" not in record:
             return str(saved)  # not a calibration record: its own error message, below
-        why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads())
+        why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
+                           linear_kernel(self.model))
         if why is None:
             return str(saved)
         print(f"note: not reusing {saved}: {why}; calibrating the tree again", file=sys.stderr)

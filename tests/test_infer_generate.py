@@ -14,6 +14,7 @@ from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
 from heads.chat import prompt_ids
 from inference.calibrate import CALIBRATION_SIZES, calibrate_tree, monotone_fit, read_accuracy
+from inference.cpu_linear import projection
 from inference.decode import SamplingConfig, speculative_generate
 from inference.generate import Speculator, SpeculatorError, TextStream, main
 from inference.medusa import MedusaProposer, medusa_logits
@@ -394,7 +395,7 @@ def test_medusa_logits_match_the_heads_module():
     torch.testing.assert_close(medusa_logits(heads, hidden, 2), full[:2])
     shared = MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=VOCAB, num_heads=3, share_lm_head=True)).eval()
     weight = torch.randn(VOCAB, 64)
-    torch.testing.assert_close(medusa_logits(shared, hidden, 3, weight), shared(hidden[None, None], weight)[:, 0, 0])
+    torch.testing.assert_close(medusa_logits(shared, hidden, 3, projection(weight)), shared(hidden[None, None], weight)[:, 0, 0])
 
 
 def _draft_vocab_twin(heads: MedusaHeads, token_map: torch.Tensor) -> MedusaHeads:
