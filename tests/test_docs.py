@@ -126,6 +126,10 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         return args + ["--num_prompts", "2", "--max_new_tokens", "8"]
     if module == "inference.forward":
         return args + ["--target", target, "--repeats", "2"]
+    if module == "scripts.demo":  # its stages in subprocesses, one process each, reduced as above
+        train = reduce_args("train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
+        return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_prompts", "2",
+                       "--max_new_tokens", "8", "--train_args=" + shlex.join(train[train.index("--max_steps"):])]
     return args
 
 
@@ -189,6 +193,10 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert (out / "results.json").is_file() and (out / "results.md").is_file()
     elif module == "inference.generate":
         assert "tau" in printed
+    elif module == "scripts.demo":
+        out = Path(last_value(args, "--output_dir"))
+        assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
+        assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
     elif module == "heads.export":
         out = Path(args[1])
         assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
