@@ -28,14 +28,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 class ScriptedTimer:
     """timer(kind, size, run) -> ms from QUIET_MS (draft: DRAFT_MS) x factor(kind, size, round); never runs `run`."""
 
-    def __init__(self, factor=lambda kind, size, r: 1.0):
+    def __init__(self, factor=lambda kind, size, r: 1.0, base: dict[int, float] | None = None):
         self.factor = factor
+        self.base = QUIET_MS if base is None else base
         self.calls: dict[tuple[str, int], int] = {}
 
     def __call__(self, kind: str, size: int, run) -> float:
         r = self.calls.get((kind, size), 0)
         self.calls[(kind, size)] = r + 1
-        return (DRAFT_MS if kind == "draft" else QUIET_MS[size]) * self.factor(kind, size, r)
+        return (DRAFT_MS if kind == "draft" else self.base[size]) * self.factor(kind, size, r)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +135,23 @@ def test_a_trustworthy_tree_json_is_reused_without_timing(model_and_heads, tmp_p
     spec = Speculator(model, heads, heads_dir=tmp_path)
     spec.set_tree(None)
     assert spec.tree.size == 2
+
+
+
+# a flat optimum: the oneDNN step curve and the accuracies of `make demo`'s Medusa-1 heads (2026-12-01)
+FLAT_MS = {1: 37.6, 2: 44.2, 3: 44.8, 4: 44.8, 6: 48.3, 8: 48.3, 12: 49.6, 16: 55.9, 32: 75.1, 64: 107.4}
+FLAT_ACCURACY = [[0.394, 0.124, 0.052, 0.032, 0.022], [0.233, 0.106, 0.052, 0.042, 0.027],
+                 [0.196, 0.078, 0.048, 0.045, 0.027]]
+
+
+
+def test_where_the_optimum_is_flat_the_smallest_near_best_size_is_chosen(model_and_heads, monkeypatch):
+    """Sizes 4-12 are expected within 5% of each other here: the plain argmax (12 nodes) would move with small timing
+    differences between runs, so the smallest size within NEAR_BEST of the best is taken (4 nodes)."""
+    model, heads = model_and_heads
+    calib = calibrate_tree(model, heads, FLAT_ACCURACY, prefix_len=32, timer=ScriptedTimer(base=FLAT_MS))
+    expected = calib.expected_tokens_per_s
+    assert len(calib.choices) + 1 == 4 and expected[4] >= 0.95 * max(expected.values()) > expected[3]
+    monkeypatch.setattr(calibrate_module, "NEAR_BEST", 0.0)
+    argmax = calibrate_tree(model, heads, FLAT_ACCURACY, prefix_len=32, timer=ScriptedTimer(base=FLAT_MS))
+    assert len(argmax.choices) + 1 == max(expected, key=expected.get) == 12
