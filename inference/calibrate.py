@@ -1,7 +1,7 @@
 """Tree size by measurement (`--tree auto`): time the target's tree forward (and the draft) on this device for a
 range of tree sizes and pick the tree with the most expected tokens per second, given the heads' accuracies.
 
-On a CPU a forward over a few more tokens costs much more than one, so trees come out small; on a GPU, large.
+On a CPU a forward over a few more tokens costs more than one, so trees come out small; on a GPU, large.
 
 Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates
 each round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided
@@ -9,14 +9,18 @@ by the 1-token step timed in the same round: a machine that is uniformly slower 
 spike in a minority of rounds moves no median. When the rounds disagree too much (the relative median absolute
 deviation of some size's ratios above `noise_limit`), the timings are flagged noisy and the choice falls back to a
 small default tree (`fallback_nodes` drafted nodes: on a CPU a verify of a few tokens costs about one step, see the
-README's "Measured" table), never to plain decoding. `tree.json` records what was measured; `stale_reason` says
-when a recorded calibration must not be reused (noisy, no tree, another device or thread count, an older format).
+README's "Measured" table), never to plain decoding. So does a machine where other processes used more than
+BUSY_LIMIT CPU cores during the timings (from /proc/stat): a CPU hog beside a 2-thread timing slowed every size
+alike, 100x (threads wait for each other), so the rounds agreed and only the load told. `tree.json` records what
+was measured; `stale_reason` says when a recorded calibration must not be reused (noisy, no tree, another device,
+thread count or linear kernel, an older format).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,6 +42,7 @@ ROUNDS = 5  # rounds over all sizes; a median over 5 ignores spikes in up to 2 o
 NOISE_LIMIT = 0.15  # above this relative median absolute deviation of a size's per-round ratios: too noisy
 FALLBACK_NODES = 2  # drafted nodes of the tree used when timings are too noisy (a 3-node tree: cheap on a CPU too)
 NEAR_BEST = 0.05  # sizes within this fraction of the best expected tokens/s count as tied: the largest is chosen
+BUSY_LIMIT = 0.5  # CPU cores other processes used on average during the timings: above this, the machine is busy
 Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft", tree size, run) -> ms
 
 
@@ -59,10 +64,19 @@ class TreeCalibration:
     linear: str  # the target's linear kernels: "onednn" (inference/cpu_linear.py) or "default"
     threads: int  # torch CPU threads during the timings
     rounds: int
-    noisy: bool  # some size's spread > noise_limit: choices is the fallback tree, not the measured best
+    noisy: bool  # too noisy or machine busy (chosen_by says which): choices is the fallback tree, not the measured best
     noise_limit: float
-    chosen_by: str  # "measurement" or "fallback: too noisy"
+    chosen_by: str  # "measurement", "fallback: too noisy" or "fallback: machine busy"
+    other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    def fallback_reason(self) -> str:
+        """Why the timings were not trusted, for a note to the user."""
+        if self.chosen_by == "fallback: machine busy":
+            return (f"other processes used {self.other_cores:.1f} CPU cores during the tree timings (> {BUSY_LIMIT}): "
+                    "they measured the machine's load, not the tree (rerun when it is quiet; --threads 1 helps)")
+        worst = max(self.spread, key=self.spread.get)
+        return f"tree timings too noisy to trust (size {worst}: spread {self.spread[worst]:.2f} > {self.noise_limit})"
 
     def to_json(self) -> dict:
         """tree.json's record: every field but choices_by_size, with string keys."""
@@ -99,20 +113,44 @@ def time_ms(kind: str, size: int, run: Callable[[], None]) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
+def busy_reading() -> tuple[float | None, float]:
+    """(CPU seconds the whole machine has used, /proc/stat's all but idle and iowait, minus this process's; wall
+    seconds). The first is None where /proc/stat is missing."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None, time.perf_counter()
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    others = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK") - time.process_time()
+    return others, time.perf_counter()
+
+
+def others_cores(before: tuple[float | None, float], after: tuple[float | None, float]) -> float | None:
+    """Average CPU cores other processes used between two busy_readings; None when unknown or too short to tell
+    (under 1 s: /proc/stat counts in 10 ms ticks)."""
+    (cpu0, wall0), (cpu1, wall1) = before, after
+    if cpu0 is None or cpu1 is None or wall1 - wall0 < 1.0:
+        return None
+    return max(cpu1 - cpu0, 0.0) / (wall1 - wall0)
+
+
 def relative_mad(values: Sequence[float]) -> float:
     """Median absolute deviation from the median, over the median: a spread that ignores a minority of spikes."""
     mid = statistics.median(values)
     return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else math.inf
 
 
-def timed_rounds(runs: dict[tuple[str, int], Callable[[], None]], rounds: int,
-                 timer: Timer) -> dict[tuple[str, int], list[float]]:
-    """Time every run once per round, round-robin, the order rotated by one each round; ms in round order."""
+def timed_rounds(runs: dict[tuple[str, int], Callable[[], None]], rounds: int, timer: Timer,
+                 stop: Callable[[], bool] = lambda: False) -> dict[tuple[str, int], list[float]]:
+    """Time every run once per round, round-robin, the order rotated by one each round; ms in round order. After
+    each round `stop()` may end the timings early (fewer rounds)."""
     keys = list(runs)
-    samples: dict[tuple[str, int], list[float]] = {key: [0.0] * rounds for key in keys}
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     for r in range(rounds):
         for key in keys[r % len(keys):] + keys[: r % len(keys)]:
-            samples[key][r] = timer(*key, runs[key])
+            samples[key].append(timer(*key, runs[key]))
+        if stop():
+            break
     return samples
 
 
@@ -122,7 +160,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
                    lm_head_weight: torch.Tensor | None = None,
                    draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None,
                    timer: Timer | None = None, noise_limit: float = NOISE_LIMIT,
-                   fallback_nodes: int = FALLBACK_NODES) -> TreeCalibration:
+                   fallback_nodes: int = FALLBACK_NODES,
+                   busy_probe: Callable[[], tuple[float | None, float]] | None = None) -> TreeCalibration:
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time); of the
     sizes within NEAR_BEST of the maximum, the largest. The optimum is often flat over several sizes, and the
     model undercounts larger trees: context lookup (inference/lookup.py) verifies chains as long as the tree's
@@ -138,6 +177,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     docstring for the noise check and the fallback. About (sizes x repeats) target forwards.
     """
     timer = timer or time_ms
+    busy_probe = busy_probe or busy_reading
     sizes = sorted(set(sizes) | {1})
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]
@@ -174,7 +214,10 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         runs.update({("draft", size): draft_for(per_size_choices[size]) for size in per_size_choices})
     for run in runs.values():
         run()  # warm-up
-    samples = timed_rounds(runs, max(1, repeats), timer)
+    before = busy_probe()
+    busy_now = lambda: device.type == "cpu" and (others_cores(before, busy_probe()) or 0.0) > BUSY_LIMIT  # noqa: E731
+    samples = timed_rounds(runs, max(1, repeats), timer, stop=busy_now)  # a busy machine: no more rounds
+    other_cores = others_cores(before, busy_probe())
     one = samples[("step", 1)]  # the 1-token step of each round: every other timing is read relative to it
     ratios = {size: [t / o for t, o in zip(samples[("step", size)], one)] for size in per_size_choices}
     step_ratio = {size: statistics.median(r) for size, r in ratios.items()}
@@ -187,7 +230,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for size, choices in per_size_choices.items():
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
-    noisy = max(spread.values()) > noise_limit
+    busy = device.type == "cpu" and other_cores is not None and other_cores > BUSY_LIMIT
+    noisy = max(spread.values()) > noise_limit or busy
     if noisy:
         choices = best_choices(accuracy, fallback_nodes)
     else:  # the largest size near the best: see calibrate_tree's docstring
@@ -201,8 +245,9 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         step_ratio=step_ratio, spread=spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
         draft_ms=draft_ms, draft_samples_ms={s: t for (kind, s), t in samples.items() if kind == "draft"},
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
-        linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=max(1, repeats), noisy=noisy, noise_limit=noise_limit,
-        chosen_by="fallback: too noisy" if noisy else "measurement", choices_by_size=per_size_choices)
+        linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
+        chosen_by="fallback: machine busy" if busy else "fallback: too noisy" if noisy else "measurement",
+        other_cores=other_cores, choices_by_size=per_size_choices)
 
 
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:

@@ -153,9 +153,8 @@ class Speculator:
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight,
                                draft_for, timer)
         if calib.noisy:
-            worst = max(calib.spread, key=calib.spread.get)
-            print(f"note: tree timings too noisy to trust (size {worst}: spread {calib.spread[worst]:.2f} > "
-                  f"{calib.noise_limit}); using the fallback tree of {len(calib.choices) + 1} nodes", file=sys.stderr)
+            print(f"note: {calib.fallback_reason()}; using the fallback tree of {len(calib.choices) + 1} nodes",
+                  file=sys.stderr)
         if self.heads_dir is not None:
             record = calib.to_json()
             if accuracy is not None:

@@ -13,7 +13,7 @@ from conftest import tiny_model
 
 import inference.calibrate as calibrate_module
 from heads.medusa import MedusaConfig, MedusaHeads
-from inference.calibrate import FALLBACK_NODES, calibrate_tree, relative_mad, stale_reason
+from inference.calibrate import FALLBACK_NODES, busy_reading, calibrate_tree, others_cores, relative_mad, stale_reason
 from inference.speculator import Speculator
 from inference.tree import best_choices
 
@@ -90,6 +90,30 @@ def test_timings_too_noisy_to_trust_fall_back_to_the_default_tree_not_to_no_tree
     assert max(calib.spread.values()) > calib.noise_limit
     assert calib.choices == best_choices(ACCURACY, FALLBACK_NODES) == [[0], [0, 0]]  # a tree, not plain decoding
     assert calib.expected_accept_length > 1.0
+
+
+def test_a_busy_machine_falls_back_to_the_default_tree_and_says_so(model_and_heads):
+    """A CPU hog slows every size alike, so the rounds agree; /proc/stat's count of other processes' CPU time tells.
+    Scripted readings: 3 CPU-seconds of others over 2 wall seconds = 1.5 cores."""
+    def probe(others_cpu_s: float):
+        readings = iter([(10.0, 100.0)])  # the first reading, then others_cpu_s more 2 s later
+        return lambda: next(readings, (10.0 + others_cpu_s, 102.0))
+
+    calib = calibrate(model_and_heads, ScriptedTimer(lambda kind, size, r: 100.0), busy_probe=probe(3.0))
+    assert calib.noisy and calib.chosen_by == "fallback: machine busy" and calib.other_cores == 1.5
+    assert calib.rounds == 1  # no more rounds once the load is seen (a hogged CPU can take seconds a step)
+    assert calib.choices == best_choices(ACCURACY, FALLBACK_NODES) and max(calib.spread.values()) == 0.0
+    assert "1.5 CPU cores" in calib.fallback_reason()
+    calm = calibrate(model_and_heads, ScriptedTimer(), busy_probe=probe(0.2))  # 0.1 core: the choice is measured
+    assert calm.chosen_by == "measurement" and calm.choices == QUIET_CHOICE and calm.rounds == 5
+    assert calm.other_cores == pytest.approx(0.1)
+
+
+def test_others_cores_reads_proc_stat_and_needs_a_second():
+    before = busy_reading()
+    assert others_cores(before, busy_reading()) is None  # too short to tell
+    if before[0] is not None:
+        assert others_cores((before[0], 0.0), (before[0] + 0.5, 2.0)) == 0.25
 
 
 def test_relative_mad():
