@@ -55,6 +55,7 @@ class GenerateOutput:
     tokens: list[int]  # new tokens only (a stop token, when hit, is the last one)
     stats: GenerateStats
     stopped: bool = False  # True when a stop token ended the output
+    logits: list[torch.Tensor] | None = None  # keep_logits: per token, the target's logits [V] that chose it
 
 
 @dataclass
@@ -70,7 +71,8 @@ def _choose_first(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Ge
     """The target's own token from logits [V] (after the prefill)."""
     if cfg.temperature <= 0:
         return int(logits.argmax())
-    return int(torch.multinomial(target_probs(logits, cfg.temperature, cfg.top_p), 1, generator=generator))
+    probs = target_probs(logits, cfg.temperature, cfg.top_p).cpu()  # [V]; `generator` is a CPU generator
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _accept(tree: Tree, tokens: list[int], logits: torch.Tensor, cfg: SamplingConfig,
@@ -121,12 +123,17 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     lookup: LookupConfig | None = None,
+    exact: bool = False,
+    keep_logits: bool = False,
 ) -> GenerateOutput:
     """Speculative decoding at batch 1. input_ids: [L] or [1, L]. Returns the new tokens and stats.
 
     on_tokens(new_ids) is called after every step with the tokens it emitted (streaming).
     lookup: also draft from the context (inference/lookup.py): a step whose context ends in a repeated n-gram
     verifies what followed it, instead of calling the proposer.
+    exact: verify each tree node with a one-token step's attention (inference/forward.py): greedy output stays
+    plain greedy's in half precision where the device's matmul is row-invariant; slower.
+    keep_logits: also return, per emitted token, the target's logits row that chose it (analysis, not timing).
     """
     sampling = sampling or SamplingConfig()
     if sampling.acceptance not in ("auto", "typical"):
@@ -156,6 +163,7 @@ def speculative_generate(
     prefix_len = ids.numel()
     context = ids.tolist() + [root]
     emitted = [root]
+    kept = [logits[0]] if keep_logits else None
     stats.prefill_s = time.perf_counter() - start
     if on_tokens is not None:
         on_tokens([root])
@@ -174,7 +182,8 @@ def speculative_generate(
         mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
         positions = tree.position_ids(prefix_len, device=device)  # [1, N]
         logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
-                                                   feature_layers=feature_layers)  # [N, V], [N, h], [N, n*h]
+                                                   feature_layers=feature_layers,
+                                                   exact=exact)  # [N, V], [N, h], [N, n*h]
         token_list = tokens.tolist()
         path, bonus = _accept(tree, token_list, logits, sampling, generator)
         compact_cache(cache, prefix_len, path)
@@ -193,11 +202,13 @@ def speculative_generate(
             taps = tree_taps[path] if taps is None else torch.cat([taps, tree_taps[path]])
         new = [token_list[i] for i in path[1:]] + [bonus]
         step_out: list[int] = []
-        for tok in new:
+        for node, tok in zip(path, new):  # token tok was chosen by the logits at tree node `node`
             if len(emitted) >= max_new_tokens:
                 break
             emitted.append(tok)
             step_out.append(tok)
+            if kept is not None:
+                kept.append(logits[node])
             if tok in stops:
                 stopped = True
                 break
@@ -208,4 +219,4 @@ def speculative_generate(
 
     stats.new_tokens = len(emitted)
     stats.total_s = time.perf_counter() - start
-    return GenerateOutput(tokens=emitted, stats=stats, stopped=stopped)
+    return GenerateOutput(tokens=emitted, stats=stats, stopped=stopped, logits=kept)

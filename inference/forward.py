@@ -2,8 +2,17 @@
 
 `target_forward` runs the decoder over new tokens (a prompt, or a whole tree under its 4D mask) and returns the
 logits, the final-norm hidden states the Medusa heads read and, for EAGLE, the feature taps. `compact_cache`
-keeps the accepted tree nodes and drops the rest. `python -m inference.forward [--target T]` times a step by
-tokens verified, and the two attention paths (`gqa=True` / `False`).
+keeps the accepted tree nodes and drops the rest.
+
+`exact=True` verifies a tree the way plain decoding computes each position: every tree node attends alone, with
+the one-token step's own attention call (`sdpa_attention_forward`, no mask) over exactly the keys it sees (prefix +
+ancestors, in order). In half precision a masked multi-token attention sums in another order than a one-token step,
+so greedy output can differ from plain greedy at near-ties; with `exact` the rest of the forward (linear layers,
+norms, RoPE) is row-by-row arithmetic, identical to the one-token step wherever the device's matmul gives a row the
+same result whatever the number of rows (`rows_invariant` checks it).
+
+`python -m inference.forward [--target T]` times a step by tokens verified, and the two attention paths
+(`gqa=True` / `False`).
 """
 
 from __future__ import annotations
@@ -16,9 +25,65 @@ import time
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from inference.attention import gqa_sdpa
+
+ROWWISE_SDPA = "headstart_rowwise_sdpa"
+_row_keys: list[torch.Tensor] | None = None  # per query row, the key positions it attends to (set by rowwise_sdpa)
+
+
+def rowwise_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None): row t attends to key positions
+    _row_keys[t] only, through the call a one-token decode step makes (no mask, its own gqa handling)."""
+    if _row_keys is None or len(_row_keys) != query.shape[2]:  # not a tree step (e.g. the prefill)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows = [sdpa_attention_forward(module, query[:, :, t:t + 1], key.index_select(2, idx), value.index_select(2, idx),
+                                   None, dropout=dropout, scaling=scaling, **kwargs)[0]  # [B, 1, Hq, D]
+            for t, idx in enumerate(_row_keys)]
+    return torch.cat(rows, dim=1), None
+
+
+AttentionInterface.register(ROWWISE_SDPA, rowwise_sdpa_attention)
+AttentionMaskInterface.register(ROWWISE_SDPA, sdpa_mask)
+
+
+@contextlib.contextmanager
+def rowwise_sdpa(model: PreTrainedModel, attention_mask: torch.Tensor):
+    """Run an `sdpa` target with rowwise_sdpa_attention inside the block, rows read from the additive mask
+    [1, 1, T, S] (0 = attend). One device-to-host copy of the mask per call."""
+    global _row_keys
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        raise ValueError(f"exact verification reproduces sdpa's one-token step; this target's attention is "
+                         f"{getattr(config, '_attn_implementation', None)!r}: load it with attn_implementation='sdpa'")
+    allowed = (attention_mask[0, 0] == 0).cpu()  # [T, S]
+    _row_keys = [row.nonzero().squeeze(1).to(attention_mask.device) for row in allowed]
+    config._attn_implementation = ROWWISE_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+        _row_keys = None
+
+
+def rows_invariant(model: PreTrainedModel, rows: int = 8) -> bool:
+    """Whether this device's matmul gives each row the same bits whatever the number of rows (1 vs `rows`), for
+    every linear layer of the target: what `exact=True` needs besides its attention (on this x86 CPU: bf16 with 2
+    threads yes; bf16 with 1 thread not for a 1536-wide input at 4+ rows; fp32 through MKL no: 1 row is a gemv)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):  # through the module: its kernel may be switched (cpu_linear.py)
+            weight = module.weight  # [out, in]
+            x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+            together = module(x)  # [rows, out]
+            if not all(torch.equal(module(x[i:i + 1])[0], together[i]) for i in range(rows)):
+                return False
+    return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,8 +97,8 @@ def _forward_kwargs(base_model_type: type) -> tuple[str, bool]:
 
 def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: DynamicCache,
                    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   last_only: bool = False, feature_layers: Sequence[int] | None = None, gqa: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                   last_only: bool = False, feature_layers: Sequence[int] | None = None, gqa: bool = True,
+                   exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the target on input_ids [1, T] appending to `cache`.
 
     Returns (logits [T, V] (or [1, V] with last_only), hidden [T, h] (or [1, h]), taps [T, n*h] or None):
@@ -41,7 +106,8 @@ def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Dynam
     EAGLE) concatenates HF hidden_states[i] for i in feature_layers at every position. attention_mask: None
     (causal) or an additive float mask [1, 1, T, past + T], passed through unchanged by transformers' mask builders.
     gqa: an `sdpa` target on CPU reads its grouped key/value heads in place (inference/attention.py); False runs
-    transformers' own path (same values).
+    transformers' own path (same values). exact (with an attention_mask): each row attends alone, as in a
+    one-token step (see the module docstring); it overrides gqa.
     """
     cache_arg, takes_cache_position = _forward_kwargs(type(model.base_model))
     past = cache.get_seq_length()
@@ -52,7 +118,11 @@ def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Dynam
         kwargs["cache_position"] = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
     if feature_layers:
         kwargs["output_hidden_states"] = True
-    with gqa_sdpa(model, input_ids.device) if gqa else contextlib.nullcontext():
+    if exact and attention_mask is not None:
+        attention = rowwise_sdpa(model, attention_mask)
+    else:
+        attention = gqa_sdpa(model, input_ids.device) if gqa else contextlib.nullcontext()
+    with attention:
         out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
     hidden = out.last_hidden_state[0]  # [T, h]
     taps = torch.cat([out.hidden_states[i][0] for i in feature_layers], dim=-1) if feature_layers else None
@@ -83,39 +153,51 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    """Time the target's tree forward here: a step's cost by tokens verified (chains, 256-token cache), and a 3-token
-    tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of --repeats, run in turns."""
+    """Time the target's tree forward here: a step's cost by tokens verified (chains of --sizes, 256-token cache), and
+    a 3-token tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of --repeats, run in
+    turns (on CUDA synchronised around each timed call)."""
     from heads.target import load_target
     from inference.tree import tree_from_choices
 
     parser = argparse.ArgumentParser(prog="python -m inference.forward", description=main.__doc__)
     parser.add_argument("--target", default="smollm2-135m", help="name or path (heads/target.py)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, _, _ = load_target(args.target, args.dtype)
+    device = torch.device(args.device)
+    model, _, _ = load_target(args.target, args.dtype, device)
     vocab = model.get_output_embeddings().weight.shape[0]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def medians(prefix: int, steps: dict[str, tuple[list[list[int]], bool]]) -> dict[str, float]:
         """label -> (tree choices, gqa): median ms of that tree's verify forward after a `prefix`-token cache."""
-        ids = torch.randint(0, vocab, (1, prefix + 8), generator=torch.Generator().manual_seed(0))
+        trees = {label: (tree_from_choices(choices), gqa) for label, (choices, gqa) in steps.items()}
+        longest = max(tree.size for tree, _ in trees.values())
+        ids = torch.randint(0, vocab, (1, prefix + longest), generator=torch.Generator().manual_seed(0)).to(device)
         cache, times = DynamicCache(), {label: [] for label in steps}
         target_forward(model, ids[:, :prefix], cache)
-        trees = {label: (tree_from_choices(choices), gqa) for label, (choices, gqa) in steps.items()}
         for _ in range(args.repeats):
             for label, (tree, gqa) in trees.items():
-                mask, positions = tree.attention_mask(prefix), tree.position_ids(prefix)
+                mask, positions = tree.attention_mask(prefix, model.dtype, device), tree.position_ids(prefix, device)
+                sync()
                 t0 = time.perf_counter()
                 target_forward(model, ids[:, prefix: prefix + tree.size], cache, mask, positions, gqa=gqa)
+                sync()
                 times[label].append(1000 * (time.perf_counter() - t0))
                 compact_cache(cache, prefix, [])
         return {label: sorted(t)[len(t) // 2] for label, t in times.items()}
 
-    threads = f"{torch.get_num_threads()} threads, medians of {args.repeats}"
-    by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in (1, 2, 3, 4, 8)})
+    where = f"{device}, {args.dtype}" if device.type == "cuda" else f"{torch.get_num_threads()} threads, {args.dtype}"
+    threads = f"{where}, medians of {args.repeats}"
+    by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
     print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
           f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads})")
     for prefix in (300, 1000, 1800):

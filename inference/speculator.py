@@ -42,7 +42,7 @@ class Speculator:
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
                  choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True,
-                 onednn: bool = True):
+                 exact: bool = False, onednn: bool = True):
         if onednn:  # float32 on a CPU: the target's and the heads' linear layers through oneDNN, in place
             use_onednn_linears(model)
             use_onednn_linears(heads)
@@ -51,6 +51,7 @@ class Speculator:
         self.tokenizer = tokenizer
         self.heads_dir = heads_dir
         self.lookup = lookup  # also draft from repeats in the context (inference/lookup.py), with the tree's node count
+        self.exact = exact  # verify each node with a one-token step's attention (half precision: plain greedy's output)
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         share = not self.is_eagle and heads.config.share_lm_head
@@ -80,7 +81,7 @@ class Speculator:
         on is refused. Any loading problem is a SpeculatorError naming it and the fix.
         tree: None (the heads dir's tree.json if any, else the default; a tree.json that inference.calibrate's
         stale_reason rejects is measured again), "default", "auto" (calibrate on this device and write tree.json),
-        a path to a JSON file with "choices", or a list of choices.
+        a path to a JSON file with "choices", a list of choices, or that list as a JSON string ('[[0], [0, 0]]').
         """
         try:
             heads_dir = resolve_heads_dir(heads)
@@ -110,6 +111,11 @@ class Speculator:
         elif tree == "auto":
             self.calibrate()
             return
+        elif isinstance(tree, str) and tree.lstrip().startswith("["):  # the choices themselves, as JSON
+            try:
+                choices = json.loads(tree)
+            except json.JSONDecodeError as err:
+                raise SpeculatorError(f"tree {tree!r} is not a JSON list of choices, e.g. '[[0], [0, 0]]'") from err
         elif isinstance(tree, (str, Path)):
             file = Path(tree)
             if not file.is_file():
@@ -169,7 +175,8 @@ class Speculator:
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
-                 proposer: Proposer | None = None, lookup: bool | None = None) -> GenerateOutput:
+                 proposer: Proposer | None = None, lookup: bool | None = None, exact: bool | None = None,
+                 keep_logits: bool = False) -> GenerateOutput:
         """Decode up to max_new_tokens after input_ids ([L] or [1, L]).
 
         temperature 0: greedy, token-identical to model.generate(do_sample=False) in fp32.
@@ -177,6 +184,9 @@ class Speculator:
         stop_token_ids: default heads.chat.stop_token_ids (the tokenizer's EOS and the generation config's).
         on_tokens: streaming callback. lookup: draft from repeats in the context too (default self.lookup);
         chains get the tree's node count.
+        exact: verify each tree node as a one-token step does (default self.exact; inference/forward.py): in half
+        precision greedy output then stays plain greedy's where the device's matmul is row-invariant, at a cost.
+        keep_logits: also return the target's logits row behind each token (out.logits; for analysis).
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpeculatorError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -187,4 +197,5 @@ class Speculator:
         use_lookup = self.lookup if lookup is None else lookup
         chain = LookupConfig(num_tokens=self.tree_size - 1) if use_lookup and self.tree_size > 1 else None
         return speculative_generate(self.model, proposer or self.make_proposer(), input_ids, max_new_tokens, sampling,
-                                    stop_token_ids, generator, on_tokens, chain)
+                                    stop_token_ids, generator, on_tokens, chain,
+                                    self.exact if exact is None else exact, keep_logits)
