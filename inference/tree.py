@@ -73,10 +73,10 @@ class Tree:
 
         Every node sees the whole prefix (the KV cache) and its own ancestors inside the tree.
         """
-        allowed = torch.cat([torch.ones(self.size, prefix_len, dtype=torch.bool), self.ancestor_mask()], dim=1)
-        mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype)
-        mask.masked_fill_(allowed, 0.0)
-        return mask[None, None].to(device)  # [1, 1, N, prefix_len + N]
+        mask = torch.zeros(self.size, prefix_len + self.size, dtype=dtype, device=device)  # built where it is used:
+        blocked = ~self.ancestor_mask().to(device)  # only the [N, N] tree part crosses to the device
+        mask[:, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+        return mask[None, None]  # [1, 1, N, prefix_len + N]
 
     def position_ids(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """[1, N]: prefix_len + depth of every node."""
@@ -230,12 +230,13 @@ def build_dynamic_tree(root_token: int, draft: DraftFn, config: DynamicTreeConfi
     for _ in range(config.depth):
         logp = draft(torch.tensor(tokens, dtype=torch.long), parents, frontier)  # [F, V]
         top_lp, top_tok = logp.float().topk(config.topk, dim=-1)  # [F, topk]
+        top_lp, top_tok = top_lp.tolist(), top_tok.tolist()  # one device-to-host copy each per depth
         new_nodes: list[int] = []
         for f, node in enumerate(frontier):
             for j in range(config.topk):
-                tokens.append(int(top_tok[f, j]))
+                tokens.append(top_tok[f][j])
                 parents.append(node)
-                scores.append(scores[node] + float(top_lp[f, j]))
+                scores.append(scores[node] + top_lp[f][j])
                 new_nodes.append(len(tokens) - 1)
         # the next frontier: the best `topk` of the new nodes by cumulative score
         new_nodes.sort(key=lambda i: -scores[i])

@@ -61,12 +61,14 @@ def sample_accept(children: list[list[int]], tokens: list[int], probs: torch.Ten
                   generator: torch.Generator | None = None) -> tuple[list[int], int]:
     """Lossless acceptance for a deterministic tree (q = 1 on each drafted child).
 
-    probs [N, V]: the target's processed distribution (see `target_probs`) after each node.
+    probs [N, V]: the target's processed distribution (see `target_probs`) after each node, on any device; the rows
+    on the path come to the host once each (`generator` is a CPU generator), where the residual is kept in float64.
     """
     path = [0]
     node = 0
     while True:
-        p = probs[node].double().clone()  # [V] unnormalised residual
+        row = probs[node].to("cpu", torch.float64)  # [V]
+        p = row.clone()  # unnormalised residual
         mass = float(p.sum())
         accepted = None
         for child in children[node]:
@@ -79,7 +81,7 @@ def sample_accept(children: list[list[int]], tokens: list[int], probs: torch.Ten
             p[x] = 0.0
         if accepted is None:
             if float(p.sum()) <= 0:  # numerically exhausted: cannot happen with exact arithmetic
-                p = probs[node].double().clone()
+                p = row
             bonus = int(torch.multinomial(p, 1, generator=generator))
             return path, bonus
         path.append(accepted)
@@ -96,6 +98,7 @@ def typical_accept(children: list[list[int]], tokens: list[int], logits: torch.T
     probs = target_probs(logits, temperature)  # [N, V]
     entropy = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)  # [N]
     threshold = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
+    probs, threshold = probs.cpu(), threshold.cpu()  # the search reads single entries; `generator` is a CPU one
     best_path = [0]
     stack = [[0]]
     while stack:
