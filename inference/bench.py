@@ -2,7 +2,7 @@
 
     python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
-        [--tree auto|default|PATH] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
+        [--tree auto|default|PATH|CHOICES] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
         [--target NAME_OR_PATH] [--threads N]
 
 Every heads directory must belong to the same target (checked by the weight fingerprint recorded in
@@ -12,6 +12,8 @@ methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1,
 after one uncounted warm-up round on the first prompt. "+lookup" rows are the same heads with chains found in the
 context verified instead of the heads' tree when the context ends in a repeated n-gram (inference/lookup.py, the
 Speculator's default); rows without it are the heads alone. "prompt_lookup" is HF's prompt-lookup decoding.
+"exact" rows verify each tree node with a one-token step's attention (inference/forward.py), the option that
+keeps half-precision greedy output plain greedy's.
 
 Figures (defined here; the README's "Benchmark" section reports them):
   tau        tokens generated / target forwards after the one that reads the prompt (bonus token included;
@@ -26,6 +28,10 @@ Figures (defined here; the README's "Benchmark" section reports them):
   time split draft / verify / other seconds: heads from the Speculator's stats (verify = target forwards incl.
              the prefill, acceptance and cache compaction); prompt-lookup: verify = time inside the target's
              forward calls, its n-gram lookup sits in "other"; vanilla: all verify
+  mismatch   for an output that differs from vanilla's, at its first differing token: each run's top-2 logit gap
+             there and its margin for its own token over the other run's (both runs decoded again up to that
+             token, after the timed rounds, keeping the logits); a near-tie when both margins are within
+             NEAR_TIE_ULPS units in the last place of the dtype at the top logit
 
 Writes OUTPUT/results.json, OUTPUT/results.md (the command line at the top) and OUTPUT/speedup.png.
 """
@@ -58,6 +64,8 @@ RESERVED_NAMES = ("vanilla", "prompt_lookup")
 LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
 BOOTSTRAP_SAMPLES = 2000  # resamples of the prompts for the speedup's 95% interval
 BOOTSTRAP_SEED = 0
+NEAR_TIE_ULPS = 4  # a mismatch is a near-tie when both runs' margins are within this many ulps of the top logit
+EXACT_SUFFIX = " exact"  # the heads verifying each tree node with a one-token step's attention
 
 
 class BenchError(ValueError):
@@ -233,6 +241,7 @@ class Run:
     step_s: float  # target forwards after it (heads: tree forwards + acceptance + cache compaction)
     accept_hist: list[int] = field(default_factory=list)
     lookup_steps: int = 0  # heads: steps that verified a chain from the context (inference/lookup.py)
+    mismatch: dict | None = None  # differs from vanilla: the near-tie analysis at the first difference (near_tie)
 
 
 @dataclass
@@ -241,6 +250,7 @@ class Method:
     kind: str  # vanilla | prompt_lookup | medusa | eagle | eagle3
     run: Callable[[list[int], int], Run]
     info: dict = field(default_factory=dict)  # heads dir, tree...
+    trace: Callable[[list[int], int], tuple[list[int], torch.Tensor]] | None = None  # untimed rerun: tokens, logits
 
 
 def hf_method(name: str, kind: str, model, meter: ForwardMeter, device: torch.device, pad_id: int | None,
@@ -264,16 +274,26 @@ def hf_method(name: str, kind: str, model, meter: ForwardMeter, device: torch.de
             return Run(tokens, seconds, decode, draft_s=0.0, verify_s=seconds, **forwards)
         return Run(tokens, seconds, decode, draft_s=None, verify_s=meter.seconds, **forwards)
 
+    @torch.no_grad()
+    def trace(ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=pad_id, output_logits=True,
+                             return_dict_in_generate=True, **extra)
+        return out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float()  # [n, V]
+
     info = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens} if prompt_lookup_num_tokens else {}
-    return Method(name=name, kind=kind, run=run, info=info)
+    return Method(name=name, kind=kind, run=run, trace=trace, info=info)
 
 
-def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.device, lookup: bool) -> Method:
-    """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py)."""
+def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.device, lookup: bool,
+                 exact: bool = False) -> Method:
+    """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py); exact: each
+    tree node verified with a one-token step's attention (inference/forward.py)."""
     def run(ids: list[int], max_new_tokens: int) -> Run:
         _sync(device)
         t0 = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup)
+        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact)
         _sync(device)
         seconds = time.perf_counter() - t0
         s = out.stats
@@ -281,18 +301,65 @@ def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.de
                    prefill_s=s.prefill_s, step_s=s.verify_s, accept_hist=list(s.accept_hist),
                    lookup_steps=s.lookup_steps)
 
-    name = entry.label + (LOOKUP_SUFFIX if lookup else "")
-    info = {"heads_dir": str(entry.path), "lookup": lookup, "draft_vocab_size": spec.heads.config.draft_vocab_size}
+    def trace(ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact,
+                            keep_logits=True)
+        return list(out.tokens), torch.stack(out.logits)  # [n, V]
+
+    name = entry.label + (LOOKUP_SUFFIX if lookup else "") + (EXACT_SUFFIX if exact else "")
+    info = {"heads_dir": str(entry.path), "lookup": lookup, "exact": exact,
+            "draft_vocab_size": spec.heads.config.draft_vocab_size}
     if spec.is_eagle:
         dyn = spec.dynamic
         info.update({"method": spec.heads.config.method,
                      "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}})
-        return Method(name=name, kind=spec.heads.config.method, run=run, info=info)
+        return Method(name=name, kind=spec.heads.config.method, run=run, trace=trace, info=info)
     tree = spec.tree
     choices = tree_choices(tree)
     info.update({"num_heads": spec.heads.config.num_heads,
                  "tree": {"size": tree.size, "depth": tree.max_depth, "choices": choices}})
-    return Method(name=name, kind="medusa", run=run, info=info)
+    return Method(name=name, kind="medusa", run=run, trace=trace, info=info)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mismatches: the near-tie analysis
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """Index of the first differing token (the shorter length when one output is a prefix of the other)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ulp(x: float, dtype: torch.dtype) -> float:
+    """The spacing of `dtype` numbers at magnitude |x|."""
+    return float(torch.finfo(dtype).eps) * 2.0 ** math.floor(math.log2(max(abs(x), float(torch.finfo(dtype).tiny))))
+
+
+def _side(logits: torch.Tensor, own: int, other: int, dtype: torch.dtype) -> dict:
+    """One run's logits row [V] at the first difference: its top-2 gap, its margin for its own token over the other
+    run's, the other token's rank here (0 = top), and that margin in ulps of `dtype` at the top logit."""
+    top2 = logits.topk(2).values
+    margin = float(logits[own] - logits[other])
+    return {"gap": float(top2[0] - top2[1]), "margin": margin, "other_rank": int((logits > logits[other]).sum()),
+            "margin_ulps": margin / _ulp(float(top2[0]), dtype)}
+
+
+def near_tie(vanilla: Method, method: Method, ids: list[int], vanilla_tokens: list[int], method_tokens: list[int],
+             dtype: torch.dtype) -> dict:
+    """Decode both again up to the first differing token (keeping the logits) and compare them there."""
+    at = first_difference(vanilla_tokens, method_tokens)
+    out = {"at": at, "vanilla_token": None, "method_token": None, "vanilla": None, "method": None,
+           "near_tie": None, "reproduced": None}
+    if at >= min(len(vanilla_tokens), len(method_tokens)):  # one output stops earlier: no differing token
+        return out
+    v_tok, m_tok = vanilla_tokens[at], method_tokens[at]
+    v_seen, v_logits = vanilla.trace(ids, at + 1)
+    m_seen, m_logits = method.trace(ids, at + 1)
+    out.update(vanilla_token=v_tok, method_token=m_tok, vanilla=_side(v_logits[at], v_tok, m_tok, dtype),
+               method=_side(m_logits[at], m_tok, v_tok, dtype),
+               reproduced=v_seen == vanilla_tokens[:at + 1] and m_seen == method_tokens[:at + 1])
+    out["near_tie"] = max(out["vanilla"]["margin_ulps"], out["method"]["margin_ulps"]) <= NEAR_TIE_ULPS
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,12 +415,8 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
     draft = None if any(r.draft_s is None for r in runs) else sum(r.draft_s for r in runs)
     verify = sum(r.verify_s for r in runs)
     other = max(seconds - verify - (draft or 0.0), 0.0)
-    mismatches = []
-    for prompt_id, r, v in zip(ids, runs, vanilla_runs):
-        if r.tokens != v.tokens:
-            at = next((j for j, (a, b) in enumerate(zip(r.tokens, v.tokens)) if a != b),
-                      min(len(r.tokens), len(v.tokens)))
-            mismatches.append({"id": prompt_id, "first_mismatch": at})
+    mismatches = [{"id": prompt_id, "first_mismatch": first_difference(r.tokens, v.tokens), "near_tie": r.mismatch}
+                  for prompt_id, r, v in zip(ids, runs, vanilla_runs) if r.tokens != v.tokens]
     # cost model: speedup ~ tau * t_step(1) / (t_verify(tree) + t_draft), per decode step
     step_ms, vanilla_step_ms = _step_ms(runs), _step_ms(vanilla_runs)
     draft_ms = None if draft is None or not forwards else 1000.0 * draft / forwards
@@ -378,7 +441,7 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
         "cost_model": {"prefill_ms": 1000.0 * sum(r.prefill_s for r in runs) / len(runs), "step_ms": step_ms,
                        "draft_ms": draft_ms, "vanilla_step_ms": vanilla_step_ms, "predicted_speedup": predicted},
         "identical": len(runs) - len(mismatches), "identical_of": len(runs), "all_identical": not mismatches,
-        "mismatches": mismatches,
+        "mismatches": mismatches, "near_ties": sum(1 for m in mismatches if (m["near_tie"] or {}).get("near_tie")),
         "accept_hist": hist if method.kind not in ("vanilla", "prompt_lookup") else None,
         "lookup_steps": sum(r.lookup_steps for r in runs) if method.info.get("lookup") else None,
     }
@@ -409,6 +472,35 @@ def _split(s: dict) -> str:
 def _ci(s: dict) -> str:
     ci = s["speedup_spread"]["ci95"]
     return "n/a" if ci is None else f"{ci[0]:.2f}-{ci[1]:.2f}x"
+
+
+def mismatch_table(results: dict) -> list[str]:
+    """Markdown lines: per method with mismatches, where the outputs first differ and how close the target's two
+    candidates were there, in each run (none when every output is identical)."""
+    rows = [(name, s) for name, s in results["methods"].items() if s["mismatches"]]
+    if not rows:
+        return []
+    lines = ["", f"Mismatches at the first differing token: each run's top-2 logit gap there (median / max) and its "
+             f"margin for its own token over the other's; a near-tie when both margins are within {NEAR_TIE_ULPS} ulps "
+             "of the top logit", "",
+             "| method | differ | first difference at (min / median / max) | near-ties | vanilla gap | method gap | "
+             "margin vanilla / method (median) | other token top-2 in both |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in rows:
+        found = [m["near_tie"] for m in s["mismatches"] if (m["near_tie"] or {}).get("vanilla")]
+        at = [m["first_mismatch"] for m in s["mismatches"]]
+
+        def med_max(side: str, key: str) -> str:
+            values = [f[side][key] for f in found]
+            return f"{_fmt(statistics.median(values), 3)} / {_fmt(max(values), 3)}" if values else "n/a"
+
+        margins = " / ".join(_fmt(statistics.median([f[side]["margin"] for f in found]), 3) if found else "n/a"
+                             for side in ("vanilla", "method"))
+        second = sum(1 for f in found if f["vanilla"]["other_rank"] <= 1 and f["method"]["other_rank"] <= 1)
+        lines.append(f"| {name} | {len(at)}/{s['identical_of']} | {min(at)} / {statistics.median(at):g} / {max(at)} | "
+                     f"{s['near_ties']}/{len(at)} | {med_max('vanilla', 'gap')} | {med_max('method', 'gap')} | "
+                     f"{margins} | {second}/{len(found)} |")
+    return lines
 
 
 def markdown(results: dict) -> str:
@@ -453,10 +545,11 @@ def markdown(results: dict) -> str:
             cells = [f"{_fmt(by_method[n]['speedup'], 2, 'x')} [{_ci(by_method[n])}] ({_fmt(by_method[n]['tau'])})"
                      for n in names]
             lines.append(f"| {cat} | {by_method[names[0]]['prompts']} | " + " | ".join(cells) + " |")
+    lines += mismatch_table(results)
     if st["dtype"] != "float32":
         lines += ["", f"In {st['dtype']}, tree verification rounds differently from one-token steps, so some outputs may "
                   "differ from vanilla's on long generations: the identical column measures how often at this dtype "
-                  "(exactness is gated in float32)."]
+                  "(exactness is gated in float32; '... exact' rows verify each node as a one-token step does)."]
     lines += ["", "tau = tokens / target forwards after the prefill (bonus included; vanilla 1 by definition); "
               "speedup = tokens/s over vanilla's (total tokens / total seconds, prefill included); "
               "efficiency = speedup / tau."]
@@ -525,7 +618,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--tree", default=None, help="auto | default | PATH (default: each heads dir's tree.json, "
+    parser.add_argument("--tree", default=None, help="auto | default | PATH | CHOICES as JSON, e.g. '[[0], [0, 0]]' "
+                                                      "(default: each heads dir's tree.json, "
                                                       "else the default tree); auto times trees on this device "
                                                       "and writes tree.json into each heads dir")
     parser.add_argument("--no_prompt_lookup", action="store_true", help="skip HF prompt-lookup decoding")
@@ -537,6 +631,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "on a busy shared CPU 1 thread is much steadier (oversubscribed OpenMP threads spin)")
     parser.add_argument("--target", default=None, help="load this target instead of the one the heads name "
                                                         "(it must have the same fingerprint)")
+    parser.add_argument("--exact", choices=["off", "on", "both"], default="off",
+                        help="verify each tree node with a one-token step's attention (rows '... exact'): half-"
+                             "precision greedy output stays plain greedy's (inference/forward.py); on = only those "
+                             "rows, both = with and without")
     return parser.parse_args(argv)
 
 
@@ -549,6 +647,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     from heads.target import TargetLoadError, load_target
     from inference.cpu_linear import linear_kernel
     from inference.decode import SpeculatorError, check_context
+    from inference.forward import rows_invariant
     from inference.speculator import Speculator
 
     if args.num_prompts < 1:
@@ -605,7 +704,9 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
         methods.append(hf_method("prompt_lookup", "prompt_lookup", model, meter, device, pad_id,
                                  args.prompt_lookup_num_tokens))
     lookups = {"off": [False], "on": [True], "both": [False, True]}[args.lookup]
-    methods += [heads_method(e, s, stops, device, lookup) for e, s in zip(entries, specs) for lookup in lookups]
+    exacts = {"off": [False], "on": [True], "both": [False, True]}[args.exact]
+    methods += [heads_method(e, s, stops, device, lookup, exact) for e, s in zip(entries, specs)
+                for lookup in lookups for exact in exacts]
     runs: dict[str, list[Run]] = {m.name: [] for m in methods}
     try:
         with plain_generation_config(model, stops, pad_id), torch.no_grad():
@@ -618,6 +719,10 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
                     runs[m.name].append(m.run(input_ids, args.max_new_tokens))
                 speedups = {m.name: _ratio(_tps(runs[m.name]), _tps(runs["vanilla"])) for m in methods[1:]}
                 bar.set_postfix({name: f"{x or 0:.2f}x" for name, x in speedups.items()})
+            for m in methods[1:]:  # after the timed rounds: each output that differs from vanilla's, decoded again
+                for (_, input_ids), r, v in zip(prompts, runs[m.name], runs["vanilla"]):
+                    if r.tokens != v.tokens:
+                        r.mismatch = near_tie(methods[0], m, input_ids, v.tokens, r.tokens, model.dtype)
     finally:
         meter.remove()
 
@@ -643,13 +748,16 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
         "tree": args.tree or "heads' tree.json, else default",
         "prompt_lookup_num_tokens": None if args.no_prompt_lookup else args.prompt_lookup_num_tokens,
         "heads_lookup": args.lookup,
+        "exact": args.exact,
+        "rows_invariant": rows_invariant(model, max(s.tree_size for s in specs)) if args.exact != "off" else None,
         "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "order": [m.name for m in methods],
         "neutralised_generation_config": altered,
     }
     per_prompt = [{"id": row.id, "category": row.category, "prompt_tokens": len(input_ids),
                    "runs": {m.name: {"new_tokens": len(runs[m.name][i].tokens), "seconds": runs[m.name][i].seconds,
                                      "decode_forwards": runs[m.name][i].decode_forwards,
-                                     "identical": runs[m.name][i].tokens == runs["vanilla"][i].tokens}
+                                     "identical": runs[m.name][i].tokens == runs["vanilla"][i].tokens,
+                                     "near_tie": runs[m.name][i].mismatch}
                             for m in methods}}
                   for i, (row, input_ids) in enumerate(prompts)]
     return {"settings": settings, "methods": summarise_all(methods, runs, row_ids), "categories": categories,
