@@ -363,7 +363,8 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: EagleDraft,
     next_final = final[:, 1:][select[:, :-1]]  # [N, h]: the target's state at t+1 (select is False at T-2, T-1)
     lm_head_weight = target.get_output_embeddings().weight  # [V, h]
     argmax, chunks = [], []
-    draft_ids = torch.nonzero(draft.t2d).squeeze(-1) if draft.is_eagle3 else None
+    draft_ids = draft.to_target_ids(torch.arange(draft.config.draft_vocab_size, device=ids.device)) \
+        if draft.is_eagle3 else None  # t2d's ids in increasing order (set_draft_vocab), without nonzero()'s sync
     for part in next_final.split(2048):  # bounded memory: [<=2048, V] logits at a time
         logits = (part @ lm_head_weight.t()).float()
         argmax.append(logits.argmax(-1))

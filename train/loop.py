@@ -109,19 +109,19 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     """Data first (self-distilling starts accelerate's state), then the accelerator, the frozen target and the rows."""
     dataset, meta = ensure_data(cfg)
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
     if cfg.report_to == "wandb":
         setup_wandb_mode()
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
-        mixed_precision="bf16" if cuda_bf16 else "no",
+        mixed_precision="bf16" if cuda_bf16 or dtype in ("bfloat16", "bf16") else "no",  # fp32 heads, bf16 target
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=str(output_dir),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
     )
     set_seed(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
     target, tokenizer, info = load_target(cfg.target, dtype, accelerator.device)
     target.requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -241,9 +241,10 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         epoch = step // steps_per_epoch
         batches = iter(accelerator.skip_first_batches(epoch_loader(epoch), (step % steps_per_epoch) * accum))
         for _ in range(step % steps_per_epoch, steps_per_epoch):
-            micro = [{k: v.to(accelerator.device) for k, v in next(batches).items()} for _ in range(accum)]
+            host = [next(batches) for _ in range(accum)]
+            tokens_seen += sum(int(batch["attention_mask"].sum()) for batch in host)  # counted on the host: no sync
+            micro = [{k: v if k == "rows" else v.to(accelerator.device) for k, v in b.items()} for b in host]
             fields = step_fn(model, micro, step)
-            tokens_seen += sum(int(batch["attention_mask"].sum()) for batch in micro)
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             scheduler.step()
