@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from inference.attention import gqa_sdpa
+from inference.cpu_linear import linear_kernel, use_onednn_linears
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
 _row_keys: list[torch.Tensor] | None = None  # per query row, the key positions it attends to (set by rowwise_sdpa)
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
+    parser.add_argument("--linear", choices=["onednn", "default", "both"], default="onednn",
+                        help="float32 CPU linear kernels: oneDNN as the Speculator runs them (inference/cpu_linear.py), "
+                             "PyTorch's default, or both (default first, then oneDNN)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,9 +201,12 @@ def main(argv: list[str] | None = None) -> None:
 
     where = f"{device}, {args.dtype}" if device.type == "cuda" else f"{torch.get_num_threads()} threads, {args.dtype}"
     threads = f"{where}, medians of {args.repeats}"
-    by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
-    print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
-          f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads})")
+    for kernels in ["default", "onednn"] if args.linear == "both" else [args.linear]:
+        if kernels == "onednn":
+            use_onednn_linears(model)
+        by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
+        print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
+              f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads}, {linear_kernel(model)} linear kernels)")
     for prefix in (300, 1000, 1800):
         ms = medians(prefix, {"sdpa": ([[0], [1]], False), "gqa": ([[0], [1]], True)})
         print(f"{prefix}-token cache, 3-token tree step: sdpa {ms['sdpa']:.1f} ms, gqa {ms['gqa']:.1f} ms ({threads})")
