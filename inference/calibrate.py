@@ -107,9 +107,14 @@ def monotone_fit(times: dict[int, float]) -> dict[int, float]:
 
 
 def time_ms(kind: str, size: int, run: Callable[[], None]) -> float:
-    """The default timer: wall milliseconds of one call of `run`."""
+    """The default timer: wall milliseconds of one call of `run` (CUDA work included: synchronised around it)."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     run()
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1000
 
 
