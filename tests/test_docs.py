@@ -194,7 +194,9 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
     elif module == "inference.generate":
         assert "tau" in printed
     elif module == "scripts.demo":
-        out = Path(last_value(args, "--output_dir"))
+        from train.config import parse_config
+
+        out = Path(parse_config(importlib.import_module(module).DemoConfig, args).output_dir)
         assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
         assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
     elif module == "heads.export":
