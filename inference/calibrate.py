@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.cpu_linear import linear_kernel, projection
+from inference.cpu_linear import linear_kernel
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
@@ -162,7 +162,7 @@ def timed_rounds(runs: dict[tuple[str, int], Callable[[], None]], rounds: int, t
 @torch.no_grad()
 def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Sequence[Sequence[float]] | None = None,
                    sizes: Sequence[int] = CALIBRATION_SIZES, prefix_len: int = 256, repeats: int = ROUNDS,
-                   lm_head_weight: torch.Tensor | None = None,
+                   project: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None,
                    timer: Timer | None = None, noise_limit: float = NOISE_LIMIT,
                    fallback_nodes: int = FALLBACK_NODES,
@@ -213,7 +213,6 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         runs[("step", tree.size)] = step
         per_size_choices[tree.size] = choices
     if draft_for is None:
-        project = projection(heads.draft_lm_head_weight(lm_head_weight)) if lm_head_weight is not None else None
         runs[("draft", 0)] = lambda: medusa_logits(heads, hidden[0], len(accuracy), project)
     else:
         runs.update({("draft", size): draft_for(per_size_choices[size]) for size in per_size_choices})

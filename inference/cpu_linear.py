@@ -42,12 +42,13 @@ def linear_kernel(model: nn.Module) -> str:
     return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.modules()) else "default"
 
 
-def projection(weight: torch.Tensor) -> nn.Module:
+def projection(weight: torch.Tensor, onednn: bool = True) -> nn.Module:
     """x [..., in] -> x @ weight.T [..., out] as a module over `weight` [out, in] (not copied), through oneDNN where
-    it applies: e.g. the rows of a shared lm_head that Medusa heads score, a few rows of x at a time."""
+    it applies (and `onednn`): e.g. the rows of a shared lm_head that Medusa heads score, a few rows of x at a time.
+    Build it once: the oneDNN copy is made here."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return OneDNNLinear(linear) if onednn_applies(linear) else linear
+    return OneDNNLinear(linear) if onednn and onednn_applies(linear) else linear
 
 
 @torch.no_grad()

@@ -10,22 +10,20 @@ from typing import Callable
 
 import torch
 
-from inference.cpu_linear import projection
 from inference.tree import DraftInput, Tree, static_tree_tokens
 
 
 class MedusaProposer:
     """Proposer (inference/tree.py) for Medusa heads over a static tree."""
 
-    def __init__(self, heads: torch.nn.Module, tree: Tree, lm_head_weight: torch.Tensor | None = None):
+    def __init__(self, heads: torch.nn.Module, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor] | None = None):
         num_heads = heads.config.num_heads
         if tree.max_depth > num_heads:
             raise ValueError(f"the tree is {tree.max_depth} deep but the heads have only {num_heads} heads; "
                              f"use a tree of depth <= {num_heads}")
         self.heads = heads
         self.tree = tree
-        # the rows of the shared lm_head the heads score (their draft vocabulary), sliced once
-        self.project = projection(heads.draft_lm_head_weight(lm_head_weight)) if lm_head_weight is not None else None
+        self.project = project  # heads sharing the target's lm_head: see medusa_logits
         self.topk = max(tree.ranks) + 1
 
     @torch.no_grad()

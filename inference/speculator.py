@@ -20,7 +20,7 @@ from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  eagle_draft_timer, read_accuracy, stale_reason)
-from inference.cpu_linear import linear_kernel, use_onednn_linears
+from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
@@ -55,7 +55,9 @@ class Speculator:
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         share = not self.is_eagle and heads.config.share_lm_head
-        self.lm_head_weight = model.get_output_embeddings().weight if share else None
+        # Medusa heads sharing the target's lm_head score its draft-vocabulary rows: sliced and packed once
+        self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), onednn)
+                              if share else None)
         self.tree: Tree | None = None  # Medusa: the static tree
         self.dynamic: DynamicTreeConfig | None = None  # EAGLE: the dynamic tree's size
         self.set_tree("default" if choices is None else choices)
@@ -68,7 +70,7 @@ class Speculator:
     def make_proposer(self) -> Proposer:
         if self.is_eagle:
             return EagleProposer(self.heads, self.model, self.dynamic)
-        return MedusaProposer(self.heads, self.tree, self.lm_head_weight)
+        return MedusaProposer(self.heads, self.tree, self.draft_project)
 
     @classmethod
     def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
@@ -156,7 +158,7 @@ class Speculator:
         draft_for = eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else None
         if self.is_eagle and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
-        calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.lm_head_weight,
+        calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,
                                draft_for, timer)
         if calib.noisy:
             print(f"note: {calib.fallback_reason()}; using the fallback tree of {len(calib.choices) + 1} nodes",

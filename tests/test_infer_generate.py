@@ -426,7 +426,8 @@ def test_draft_vocabulary_heads_rank_their_tokens_as_the_full_heads_do(share):
     want = full(hidden[None, None], weight)[:, 0, 0][:, twin.token_map]  # [K, 20]
     torch.testing.assert_close(twin(hidden[None, None], weight)[:, 0, 0], want)
     tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
-    _, tokens = MedusaProposer(twin, tree, weight)(DraftInput(hidden=hidden, root=7, context=[7]))
+    project = projection(twin.draft_lm_head_weight(weight)) if share else None
+    _, tokens = MedusaProposer(twin, tree, project)(DraftInput(hidden=hidden, root=7, context=[7]))
     expected = static_tree_tokens(tree, 7, twin.token_map[want.topk(2, dim=-1).indices])
     assert torch.equal(tokens, expected) and set(tokens[1:].tolist()) <= set(token_map.tolist())
     again = MedusaHeads(twin.config)
