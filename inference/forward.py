@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from inference.attention import gqa_sdpa
-from inference.cpu_linear import linear_kernel, use_onednn_linears
+from inference.cpu_linear import OneDNNLinear, linear_kernel, use_onednn_linears
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
 _row_keys: list[torch.Tensor] | None = None  # per query row, the key positions it attends to (set by rowwise_sdpa)
@@ -73,12 +73,18 @@ def rowwise_sdpa(model: PreTrainedModel, attention_mask: torch.Tensor):
         _row_keys = None
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA), so a wall-clock timing around it counts that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def rows_invariant(model: PreTrainedModel, rows: int = 8) -> bool:
     """Whether this device's matmul gives each row the same bits whatever the number of rows (1 vs `rows`), for
     every linear layer of the target: what `exact=True` needs besides its attention (on this x86 CPU: bf16 with 2
     threads yes; bf16 with 1 thread not for a 1536-wide input at 4+ rows; fp32 through MKL no: 1 row is a gemv)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):  # through the module: its kernel may be switched (cpu_linear.py)
+        if isinstance(module, (torch.nn.Linear, OneDNNLinear)):  # through the module: its kernel may be switched
             weight = module.weight  # [out, in]
             x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
             together = module(x)  # [rows, out]
@@ -177,10 +183,6 @@ def main(argv: list[str] | None = None) -> None:
     model, _, _ = load_target(args.target, args.dtype, device)
     vocab = model.get_output_embeddings().weight.shape[0]
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def medians(prefix: int, steps: dict[str, tuple[list[list[int]], bool]]) -> dict[str, float]:
         """label -> (tree choices, gqa): median ms of that tree's verify forward after a `prefix`-token cache."""
         trees = {label: (tree_from_choices(choices), gqa) for label, (choices, gqa) in steps.items()}
@@ -191,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             for label, (tree, gqa) in trees.items():
                 mask, positions = tree.attention_mask(prefix, model.dtype, device), tree.position_ids(prefix, device)
-                sync()
+                sync(device)
                 t0 = time.perf_counter()
                 target_forward(model, ids[:, prefix: prefix + tree.size], cache, mask, positions, gqa=gqa)
-                sync()
+                sync(device)
                 times[label].append(1000 * (time.perf_counter() - t0))
                 compact_cache(cache, prefix, [])
         return {label: sorted(t)[len(t) // 2] for label, t in times.items()}

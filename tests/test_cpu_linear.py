@@ -47,3 +47,15 @@ def test_projection_is_a_matmul_by_the_transposed_weight(rows):
     assert isinstance(project, OneDNNLinear)
     torch.testing.assert_close(project(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert project.weight.data_ptr() == weight.data_ptr()  # not a copy
+
+
+def test_rows_invariant_checks_the_swapped_layers():
+    """inference.forward.rows_invariant (what --exact relies on) must test the oneDNN layers the Speculator swapped in:
+    one whose output depends on the number of rows makes it False (it checked only nn.Linear and said True)."""
+    from inference.forward import rows_invariant
+
+    model = tiny_model("llama").eval()
+    use_onednn_linears(model)
+    layer = next(m for m in model.modules() if isinstance(m, OneDNNLinear))
+    layer.forward = lambda x: torch.nn.functional.linear(x, layer.weight) + x.shape[0]  # row-count dependent
+    assert not rows_invariant(model)
