@@ -56,6 +56,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from inference.forward import sync
 from inference.tree import tree_choices
 
 SCHEMA_VERSION = 1
@@ -158,11 +159,6 @@ def common_target(entries: Sequence[HeadsEntry], target_override: str | None) ->
 # Timing and forward counting
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class ForwardMeter:
     """Counts the target's top-level forward calls (what HF `generate` makes) and the time spent in them.
 
@@ -178,11 +174,11 @@ class ForwardMeter:
         self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
 
     def _pre(self, module, args):
-        _sync(self.device)
+        sync(self.device)
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
-        _sync(self.device)
+        sync(self.device)
         dt = time.perf_counter() - self._t0
         self.seconds += dt
         if self.calls == 0:
@@ -261,11 +257,11 @@ def hf_method(name: str, kind: str, model, meter: ForwardMeter, device: torch.de
     def run(ids: list[int], max_new_tokens: int) -> Run:
         input_ids = torch.tensor([ids], device=device)
         meter.reset()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=max_new_tokens, pad_token_id=pad_id, **extra)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         tokens = out[0, len(ids):].tolist()
         decode = max(meter.calls - 1, 0)
@@ -291,10 +287,10 @@ def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.de
     """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py); exact: each
     tree node verified with a one-token step's attention (inference/forward.py)."""
     def run(ids: list[int], max_new_tokens: int) -> Run:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact)
-        _sync(device)
+        sync(device)
         seconds = time.perf_counter() - t0
         s = out.stats
         return Run(list(out.tokens), seconds, s.decode_forwards, draft_s=s.draft_s, verify_s=s.verify_s + s.prefill_s,

@@ -208,7 +208,7 @@ def speculative_generate(
             emitted.append(tok)
             step_out.append(tok)
             if kept is not None:
-                kept.append(logits[node])
+                kept.append(logits[node].clone())  # a copy: a view would keep the whole [N, V] step alive
             if tok in stops:
                 stopped = True
                 break
