@@ -27,45 +27,16 @@ import collections
 import functools
 import gzip
 import hashlib
-import importlib.util
 import json
 import sysconfig
-from dataclasses import dataclass, field
 from pathlib import Path
 
-HELDOUT_EVERY = 20  # a prompt is held out when hash(prompt_key) % 20 == 0 (about 5%)
+from heads.prompt_families import EVAL_ONLY, FAMILIES, chitchat_conversations
+from heads.prompt_rows import PromptRow, PromptSource, PromptSourceError, is_heldout, package_file, prompt_key
+
 # the broad default mix (`mix:train`, `mix:heldout`): every task family but `writing`, which stays out of training;
 # chat and passages weigh double (multi-turn chat, summaries, questions over passages and long contexts)
 MIX = ("chitchat:{split}*2", "passages:{split}*2", "translate:{split}", "math:{split}", "pycode:{split}")
-
-
-class PromptSourceError(ValueError):
-    """The prompt source cannot be read at all (unknown name, missing file, unreachable dataset)."""
-
-
-@dataclass
-class PromptRow:
-    id: str
-    turns: list[str]  # user turns, in order; the target writes every answer
-    category: str = ""
-    system: str | None = None
-
-
-@dataclass
-class PromptSource:
-    spec: str
-    rows: list[PromptRow]
-    skipped: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
-
-
-def prompt_key(turns: list[str]) -> str:
-    """What a prompt is split and deduplicated by: its user turns with white space and case folded, so the same text
-    under two ids (a greeting many conversations open with, a function two modules define) lands on one side."""
-    return " ".join("\n".join(turns).split()).lower()
-
-
-def is_heldout(key: str) -> bool:
-    return int(hashlib.sha1(key.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
 def _split(rows: list[PromptRow], split: str, spec: str) -> list[PromptRow]:
@@ -80,13 +51,6 @@ def _split(rows: list[PromptRow], split: str, spec: str) -> list[PromptRow]:
         seen.add(key)
         kept.append(row)
     return kept
-
-
-def package_file(package: str, relative: str, install: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise PromptSourceError(f"prompt source needs the `{install}` package: pip install {install}")
-    return Path(list(spec.submodule_search_locations)[0]) / relative
 
 
 def parse_row(row: object, index: int) -> tuple[PromptRow | None, str]:
@@ -170,8 +134,6 @@ def _read_local(path: Path, spec: str) -> PromptSource:
 
 def _chitchat(split: str, spec: str) -> PromptSource:
     """Chitchat conversations: the first speaker's message groups are the user turns."""
-    from heads.prompt_families import chitchat_conversations
-
     source = PromptSource(spec=spec, rows=[])
     for conv_id, groups in chitchat_conversations():
         turns = [t for t in groups[0::2] if t]
@@ -267,8 +229,6 @@ def _weighted(part: str) -> tuple[str, int]:
 
 def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
     """Read a prompt source by its spec string (see module docstring); keep the first `limit` rows."""
-    from heads.prompt_families import EVAL_ONLY, FAMILIES
-
     if "+" in spec and not Path(spec).expanduser().exists():
         parts = [_weighted(part) for part in spec.split("+")]
         return _mix([(load_prompts(part), weight) for part, weight in parts], spec, limit)
