@@ -14,7 +14,7 @@ from heads.load import load_heads, load_heads_and_target
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target, target_info
 from train.data import DataError, collate, shard_epoch, shifted_labels, split_eval, truncate_rows
-from train.medusa import final_hidden, head_targets, weighted_head_ce
+from train.medusa import final_hidden, head_targets, target_probs, weighted_head_ce
 
 from conftest import tiny_model
 
@@ -27,7 +27,8 @@ EOS = 2  # also the pad id, as on many chat models
 def test_head_k_predicts_token_t_plus_k_plus_1():
     ids = torch.arange(100, 112)[None]  # token at position t is 100 + t
     mask = torch.ones_like(ids)
-    union, labels, valid = head_targets({"input_ids": ids, "loss_mask": mask}, num_heads=3)
+    union, labels, valid, soft_valid = head_targets({"input_ids": ids, "loss_mask": mask, "attention_mask": mask}, 3)
+    assert torch.equal(soft_valid, valid)
     for k in range(3):  # 0-based k = head k+1, which learns the token (k+1)+1 positions ahead
         positions = union[0].nonzero()[:, 0][valid[k]]
         assert (labels[k][valid[k]] == 100 + positions + k + 2).all()
@@ -42,6 +43,46 @@ def test_head_k_predicts_token_t_plus_k_plus_1():
     denom = valid.sum(-1).float()
     assert weighted_head_ce(right, labels, valid, denom, 0.8)[0] < 1e-6
     assert weighted_head_ce(wrong, labels, valid, denom, 0.8)[0] > 10
+
+
+def test_soft_labels_are_the_targets_distribution_one_position_before_the_label():
+    torch.manual_seed(0)
+    B, T, h, V = 2, 9, 8, 11
+    hidden, weight = torch.randn(B, T, h), torch.randn(V, h)
+    ids = torch.randint(0, V, (B, T))
+    # row 0: user 0-2, assistant 3-8; row 1: user 0-1, assistant 2-5, padding 6-8
+    loss_mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0, 0]])
+    attention = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": attention}
+    union, labels, valid, soft_valid = head_targets(batch, 2, supervise_prompt=True)
+    probs = target_probs(hidden, union, weight, 2)  # [K, N, V]
+    rows, cols = union.nonzero(as_tuple=True)
+    for k in range(2):
+        for n in range(len(rows)):
+            b, t = int(rows[n]), int(cols[n])
+            if t + k + 1 < T:
+                torch.testing.assert_close(probs[k, n], torch.softmax(hidden[b, t + k + 1] @ weight.t(), -1))
+            # soft labels wherever the label is real text; hard ones only where the target wrote it
+            assert bool(soft_valid[k, n]) == (t + k + 2 < T and bool(attention[b, t + k + 2]))
+            assert bool(valid[k, n]) == (t + k + 2 < T and bool(loss_mask[b, t + k + 2]))
+    assert int(soft_valid.sum()) > int(valid.sum())  # the prompt positions are supervised too
+
+
+def test_soft_ce_with_one_hot_probs_equals_the_hard_loss():
+    torch.manual_seed(0)
+    K, N, V = 2, 7, 5
+    logits, labels = torch.randn(K, N, V), torch.randint(0, V, (K, N))
+    valid = torch.rand(K, N) > 0.3
+    denom = valid.sum(-1).float()
+    hard = weighted_head_ce(logits, labels, valid, denom, 0.8)[0]
+    one_hot = torch.nn.functional.one_hot(labels, V).float()
+    for w in (0.0, 0.5, 1.0):
+        soft = weighted_head_ce(logits, labels, valid, denom, 0.8, (one_hot, valid, w))[0]
+        torch.testing.assert_close(soft, hard)
+    uniform = torch.full((K, N, V), 1 / V)  # a different distribution: a different loss, and the logged CE unchanged
+    loss, ce, _ = weighted_head_ce(logits, labels, valid, denom, 0.8, (uniform, valid, 1.0))
+    assert not torch.allclose(loss, hard)
+    torch.testing.assert_close(ce, weighted_head_ce(logits, labels, valid, denom, 0.8)[1])
 
 
 def test_mask_keeps_real_eos_and_skips_user_and_padding():

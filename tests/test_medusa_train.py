@@ -103,6 +103,23 @@ def test_train_writes_heads_dir(tiny_target_dir, sd_dir, tmp_path):
     assert heads.config.num_heads == 3
 
 
+def test_soft_labels_and_prompt_positions_train(tiny_target_dir, sd_dir, tmp_path):
+    """soft_label_weight 1 with supervise_prompt: the heads learn the target's distribution (the logged soft CE falls)
+    and reach the hard-label run's held-out accuracy on the tiny target's repeated patterns; supervise_prompt without
+    soft labels is refused."""
+    hard = main(base_args(tiny_target_dir, sd_dir, tmp_path / "hard", "--num_epochs", "3"))
+    soft = main(base_args(tiny_target_dir, sd_dir, tmp_path / "soft", "--num_epochs", "3", "--soft_label_weight", "1.0",
+                          "--supervise_prompt", "true"))
+    log = [json.loads(line) for line in (tmp_path / "soft" / "train_log.jsonl").read_text().splitlines()]
+    first, last = sum(log[0]["head_soft_ce"]), sum(sum(r["head_soft_ce"]) for r in log[-5:]) / 5
+    assert last < first, (first, last)
+    assert "head_soft_ce" not in json.loads((tmp_path / "hard" / "train_log.jsonl").read_text().splitlines()[0])
+    assert soft["top1"][0] >= hard["top1"][0] - 0.1
+    assert heads_state(tmp_path / "soft").keys() == heads_state(tmp_path / "hard").keys()
+    with pytest.raises(ConfigError, match="supervise_prompt needs soft labels"):
+        main(base_args(tiny_target_dir, sd_dir, tmp_path / "bad", "--supervise_prompt", "true"))
+
+
 def test_feature_cache_matches_online_features(tiny_target_dir, sd_dir, tmp_path):
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "a", "--num_epochs", "2"))
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "b", "--num_epochs", "2", "--feature_cache", "true"))

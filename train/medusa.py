@@ -61,6 +61,12 @@ class MedusaTrainConfig(TrainRunConfig):
     share_lm_head: bool = False  # True: heads use the target's frozen lm_head (fewer weights, lower accuracy)
     draft_vocab_size: int = 0  # > 0: heads score only this many most frequent target-written tokens (faster)
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
+    # Medusa-1: the target's own distribution as labels (its logits at the position before the label, restricted to
+    # the draft vocabulary): loss = (1 - soft_label_weight) * CE(token) + soft_label_weight * soft-CE(target probs)
+    soft_label_weight: float = 0.0
+    # Medusa-1 with soft labels: also supervise positions whose label is not target-written (prompt and user turns),
+    # with the soft term alone (the target's distribution is known there; the token is not the target's)
+    supervise_prompt: bool = False
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
     lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
     # Medusa-2 (feature_cache needs Medusa-1: a frozen target)
@@ -81,6 +87,12 @@ def check_config(cfg: MedusaTrainConfig) -> None:
         raise ConfigError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {cfg.draft_vocab_size}")
     if cfg.feature_cache and cfg.method == "medusa2":
         raise ConfigError("feature_cache needs a frozen target: use it with method medusa only")
+    if not 0.0 <= cfg.soft_label_weight <= 1.0:
+        raise ConfigError(f"soft_label_weight must be in [0, 1], got {cfg.soft_label_weight}")
+    if (cfg.soft_label_weight or cfg.supervise_prompt) and cfg.method == "medusa2":
+        raise ConfigError("soft_label_weight and supervise_prompt are Medusa-1 options (method medusa)")
+    if cfg.supervise_prompt and cfg.soft_label_weight == 0:
+        raise ConfigError("supervise_prompt needs soft labels: set soft_label_weight > 0")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -110,28 +122,62 @@ class Medusa2Model(nn.Module):
         return out.logits[select[0]], head_logits
 
 
-def head_targets(batch: dict, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def head_targets(batch: dict, num_heads: int, supervise_prompt: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Positions any head supervises, and per-head labels/validity there.
 
-    -> union [B, T] bool, labels [K, N], valid [K, N] (N = union.sum()); head k (0-based) uses offset k + 2.
+    -> union [B, T] bool, labels [K, N], valid [K, N] (label target-written), soft_valid [K, N] (label position is
+    real text: with supervise_prompt, where the soft term applies; else = valid). N = union.sum(); head k (0-based)
+    uses offset k + 2.
     """
     per_head = [shifted_labels(batch["input_ids"], batch["loss_mask"], k + 2) for k in range(num_heads)]
-    union = torch.stack([v for _, v in per_head]).any(0)
+    per_head_soft = [shifted_labels(batch["input_ids"], batch["attention_mask"], k + 2)[1] for k in range(num_heads)] \
+        if supervise_prompt else [v for _, v in per_head]
+    union = torch.stack(per_head_soft).any(0)
     labels = torch.stack([lab[union] for lab, _ in per_head])
     valid = torch.stack([v[union] for _, v in per_head])
-    return union, labels, valid
+    soft_valid = torch.stack([v[union] for v in per_head_soft])
+    return union, labels, valid, soft_valid
+
+
+def target_probs(hidden: torch.Tensor, union: torch.Tensor, lm_head_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The target's distribution over each head's label: softmax of its logits one position before the label.
+
+    hidden [B, T, h] (final norm), union [B, T], lm_head_weight [V', h] (draft rows) -> probs [K, N, V'] (0 where
+    the label position is past the row's end)."""
+    B, T, _ = hidden.shape
+    rows, cols = union.nonzero(as_tuple=True)  # [N]
+    probs = []
+    for k in range(num_heads):
+        at = (cols + k + 1).clamp(max=T - 1)  # head k's label is token t + k + 2, predicted by the target at t + k + 1
+        logits = hidden[rows, at].float() @ lm_head_weight.float().t()  # [N, V']
+        probs.append(torch.softmax(logits, -1) * (cols + k + 1 < T)[:, None])
+    return torch.stack(probs)
 
 
 def weighted_head_ce(head_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor,
-                     decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_k decay^(k+1) * sum_valid CE_k / denom_k.  head_logits [K, N, V] -> (loss, per-head summed CE [K])."""
-    ce_sums = []
+                     decay: float, soft: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """sum_k decay^(k+1) * sum CE_k / denom_k.  head_logits [K, N, V] -> (loss, per-head summed hard CE [K],
+    per-head summed soft CE [K] or None).
+
+    soft = (probs [K, N, V], soft_valid [K, N], w): CE_k = (1 - w) * CE(label) on valid + w * soft-CE(probs) on
+    soft_valid. The hard CE sums (on valid) are the logged loss, comparable across runs."""
+    ce_sums, loss_sums, soft_sums = [], [], []
     for k in range(head_logits.shape[0]):
         ce = F.cross_entropy(head_logits[k].float(), labels[k], reduction="none")  # [N]
         ce_sums.append((ce * valid[k]).sum())
-    ce_sums = torch.stack(ce_sums)
+        if soft is None:
+            loss_sums.append(ce_sums[-1])
+            continue
+        probs, soft_valid, w = soft
+        soft_ce = -(probs[k] * F.log_softmax(head_logits[k].float(), -1)).sum(-1)  # [N]
+        soft_sums.append((soft_ce * soft_valid[k]).sum())
+        loss_sums.append((1 - w) * ce_sums[-1] + w * soft_sums[-1])
+    ce_sums, loss_sums = torch.stack(ce_sums), torch.stack(loss_sums)
     weights = torch.tensor([decay ** (k + 1) for k in range(len(ce_sums))], device=ce_sums.device)
-    return (weights * ce_sums / denom.clamp(min=1)).sum(), ce_sums.detach()
+    return ((weights * loss_sums / denom.clamp(min=1)).sum(), ce_sums.detach(),
+            torch.stack(soft_sums).detach() if soft_sums else None)
 
 
 def kl_original_tuned(orig_logits: torch.Tensor, tuned_logits: torch.Tensor) -> torch.Tensor:
@@ -160,7 +206,7 @@ def evaluate(target, heads: MedusaHeads, rows: list[dict], cfg: MedusaTrainConfi
     for start in range(0, len(mine), cfg.per_device_batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + cfg.per_device_batch_size], pad_id).items()}
         hidden = final_hidden(target, batch["input_ids"], batch["attention_mask"])
-        union, labels, valid = head_targets(batch, K)
+        union, labels, valid, _ = head_targets(batch, K)
         labels, in_vocab = heads.to_draft_labels(labels)
         logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
         truth = logits.gather(-1, labels[..., None])  # [K, N, 1]
@@ -288,23 +334,34 @@ def main(argv: list[str] | None = None) -> dict:
         tune_target = medusa2 and step >= cfg.medusa2_warmup_steps
         # denominators: supervised tokens per head (+ the target's own term) over the whole global step
         counts = torch.zeros(K + 1, device=accelerator.device)
+        # positions per head the loss is averaged over: target-written labels, or with supervise_prompt every label
+        supervised = "attention_mask" if cfg.supervise_prompt else "loss_mask"
+        loss_counts = torch.zeros(K, device=accelerator.device)
         for batch in micro:
             for k in range(K + 1):
                 counts[k] += shifted_labels(batch["input_ids"], batch["loss_mask"], k + 1)[1].sum()
+            for k in range(K):
+                loss_counts[k] += shifted_labels(batch["input_ids"], batch[supervised], k + 2)[1].sum()
         counts = accelerator.reduce(counts, "sum")
+        loss_counts = accelerator.reduce(loss_counts, "sum")
 
         def micro_loss(batch: dict) -> tuple[torch.Tensor, dict]:
-            union, labels, valid = head_targets(batch, K)
+            union, labels, valid, soft_valid = head_targets(batch, K, cfg.supervise_prompt)
             labels, in_vocab = heads.to_draft_labels(labels)  # out-of-vocabulary tokens: no loss (denominators keep them)
             valid = valid & in_vocab
             if not medusa2:
                 with torch.no_grad():
                     hidden = features(batch)
-                loss, ce = weighted_head_ce(model(hidden[union][None], shared)[:, 0], labels, valid, counts[1:], cfg.head_decay)
-                return loss, {"ce": ce}
+                    soft = None
+                    if cfg.soft_label_weight:
+                        rows = lm_head_weight if heads.token_map is None else lm_head_weight[heads.token_map]
+                        soft = (target_probs(hidden, union, rows, K), soft_valid, cfg.soft_label_weight)
+                loss, ce, soft_ce = weighted_head_ce(model(hidden[union][None], shared)[:, 0], labels, valid,
+                                                     loss_counts, cfg.head_decay, soft)
+                return loss, {"ce": ce} if soft_ce is None else {"ce": ce, "soft_ce": soft_ce}
             valid0 = shifted_labels(batch["input_ids"], batch["loss_mask"], 1)[1]
             tuned0, head_logits = model(batch["input_ids"], batch["attention_mask"], (valid0, union), shared, tune_target)
-            loss, ce = weighted_head_ce(head_logits, labels, valid, counts[1:], cfg.head_decay)
+            loss, ce, _ = weighted_head_ce(head_logits, labels, valid, counts[1:], cfg.head_decay)
             if not tune_target:
                 return loss, {"ce": ce}
             with torch.no_grad(), accelerator.unwrap_model(model).target.disable_adapter():
@@ -318,6 +375,9 @@ def main(argv: list[str] | None = None) -> dict:
         weights = torch.tensor([cfg.head_decay ** (k + 1) for k in range(K)], device=head_ce.device)
         heads_loss = float((weights * head_ce).sum())
         fields = {"loss": heads_loss, "heads_loss": heads_loss, "head_ce": [round(float(c), 6) for c in head_ce]}
+        if "soft_ce" in sums:  # per head, over the positions the soft term covers
+            soft_ce = accelerator.reduce(sums["soft_ce"], "sum") / loss_counts.clamp(min=1)
+            fields["head_soft_ce"] = [round(float(c), 6) for c in soft_ce]
         if medusa2:
             fields["kl"] = float(accelerator.reduce(sums["kl"], "sum")) if tune_target else 0.0
             if tune_target:
