@@ -1,0 +1,61 @@
+"""Held-out acceptance by task family (python -m inference.acceptance) on a tiny random target: per-family tau equals
+the Speculator's own stats summed by hand; per_category picks the first rows of each family; errors exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from heads.chat import prompt_ids
+from heads.prompts import PromptRow
+from inference.acceptance import main, pick_per_category
+from inference.speculator import Speculator
+
+from test_bench import save_heads
+
+ROWS = [
+    {"id": "a1", "category": "chat", "turns": ["hello there, how are you doing today?"]},
+    {"id": "c1", "category": "code", "turns": ["def add(a, b):\n    return a + b"]},
+    {"id": "a2", "category": "chat", "turns": ["Tell me a story about a dragon and a knight."]},
+    {"id": "a3", "category": "chat", "turns": ["The quick brown fox jumps over the lazy dog."]},
+]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_pick_per_category_keeps_source_order():
+    rows = [PromptRow(id=r["id"], turns=r["turns"], category=r["category"]) for r in ROWS]
+    assert [r.id for r in pick_per_category(rows, 2)] == ["a1", "c1", "a2"]
+
+
+def test_tau_per_family_matches_the_speculator(tiny_target_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    heads = save_heads(tmp_path / "heads", tiny_target_dir, seed=1)
+    out = tmp_path / "acc.json"
+    assert main(["--heads", str(heads), "--prompts", str(prompts), "--per_category", "2", "--max_new_tokens", "12",
+                 "--tree", "default", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())["results"][str(heads)]
+    spec = Speculator.from_pretrained(heads, tree="default")
+    for mode, lookup in (("lookup off", False), ("lookup on", True)):
+        tokens = {"chat": 0, "code": 0}
+        forwards = {"chat": 0, "code": 0}
+        for row in ROWS[:3]:
+            stats = spec.generate(torch.tensor(prompt_ids(spec.tokenizer, row["turns"][0])), 12, lookup=lookup).stats
+            tokens[row["category"]] += stats.new_tokens - 1
+            forwards[row["category"]] += stats.decode_forwards
+        for family in ("chat", "code"):
+            assert results[mode][family]["prompts"] == (2 if family == "chat" else 1)
+            assert results[mode][family]["tau"] == round(tokens[family] / forwards[family], 3)
+        assert results[mode]["all"]["tau"] == round(sum(tokens.values()) / sum(forwards.values()), 3)
+    table = capsys.readouterr().out
+    assert "| heads | lookup | chat | code | all |" in table
+
+
+def test_errors_exit_2(tmp_path, capsys):
+    assert main(["--heads", str(tmp_path / "none"), "--prompts", "nosuch"]) == 2
+    assert "unknown prompt source" in capsys.readouterr().err
+    assert main(["--heads", str(tmp_path / "none"), "--prompts", "writing", "--per_category", "1"]) == 2
+    assert "error:" in capsys.readouterr().err
