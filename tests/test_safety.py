@@ -358,3 +358,24 @@ def test_bad_learning_rates_and_output_dir_are_config_errors(tmp_path):
         check_config(parse_config(MedusaTrainConfig, ["--output_dir", str(a_file)]))
     proc = cli("train/medusa.py", "--learning_rate", "-0.003", "--target", tmp_path / "no-such-target")
     assert_one_line_error(proc, "learning_rate")
+
+
+# ------------------------------------------------------------------------------------------ 1 and 2 on the embedded target
+
+
+def test_embedded_target_export_into_run_refused_and_resume_runs_no_code(tmp_path):
+    """SmolLM2-135M, 2 steps, tiny synthetic data: `heads.export RUN/heads RUN --overwrite` exits 2 and leaves the run
+    byte for byte; a payload in every pickle-format file of its last checkpoint does not run on --resume."""
+    from heads.export import main as export_main
+
+    sd = write_selfdistilled(tmp_path / "sd", "smollm2-135m", num_rows=8)
+    run = tmp_path / "run"
+    args = ["--target", "smollm2-135m", "--data_dir", str(sd), "--output_dir", str(run), "--num_heads", "1",
+            "--share_lm_head", "true", "--per_device_batch_size", "2", "--eval_rows", "2", "--max_length", "32",
+            "--max_steps", "2", "--checkpoint_every", "1"]
+    medusa_main(args)
+    before = tree_of(run)
+    assert export_main([str(run / "heads"), str(run), "--format", "vllm", "--overwrite"]) == 2
+    assert export_main([str(run / "heads"), str(run / "heads"), "--format", "vllm", "--overwrite"]) == 2
+    assert tree_of(run) == before
+    resume_with_payloads(run, args, tmp_path)
