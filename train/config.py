@@ -78,8 +78,8 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
         raise ConfigError("per_device_batch_size and gradient_accumulation_steps must be >= 1")
     for name in ("learning_rate", "lm_head_learning_rate", "target_learning_rate"):
         value = getattr(cfg, name, None)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{name} must be a positive number, got {value!r}")
+        if value is not None and not (math.isfinite(value) and value >= 0):  # 0 freezes those weights
+            raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
     if not 0 <= cfg.warmup_ratio < 1 or cfg.weight_decay < 0:
         raise ConfigError(f"warmup_ratio must be in [0, 1) and weight_decay >= 0, got {cfg.warmup_ratio}, {cfg.weight_decay}")
     out = Path(cfg.output_dir)
