@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
-import tempfile
+import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 
 FORMATS = ("vllm", "sglang", "speculators")
+EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md")  # all an export writes
 LLAMA_LIKE = ("llama", "qwen2", "mistral")  # decoder layers an engine's Llama EAGLE layer reproduces exactly
 # the Llama config keys a one-layer draft config carries (everything else of the target's config is dropped)
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -316,6 +318,8 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     source = resolve_heads_dir(heads_dir)
+    out = Path(out_dir)
+    _check_out_dir(source, out, overwrite)
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
@@ -333,12 +337,11 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     else:
         config, tensors, notes = _medusa(heads, fmt, target, medusa_full_vocab)
 
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty: pass overwrite=True (--overwrite) or another directory")
     from safetensors.torch import save_file
 
-    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=f".{out.name}-"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()  # mode from the umask (tempfile.mkdtemp's 0700 would be kept by the rename)
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
@@ -348,13 +351,34 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
                 "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
         (tmp / "export.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
         (tmp / "README.md").write_text(model_card(info, metrics, repo_id or str(out)))
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(tmp), str(out))
+        if not out.exists():
+            os.replace(tmp, out)
+        else:  # empty, or an earlier export: replace its files only, anything else in it stays
+            for name in EXPORT_FILES:
+                os.replace(tmp / name, out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_out_dir(source: Path, out: Path, overwrite: bool) -> None:
+    """Refuse an output dir that is, holds or lies inside the source heads dir, and a non-empty one unless it is an
+    earlier export (export.json) and overwrite is set: an export only ever replaces the files an export writes."""
+    src, dst = source.resolve(), out.resolve()
+    if dst == src or src.is_relative_to(dst) or dst.is_relative_to(src):
+        where = "is" if dst == src else "holds" if src.is_relative_to(dst) else "lies inside"
+        raise ExportError(f"the output directory {out} {where} the heads directory {source} being exported: pass a "
+                          f"new directory, e.g. {source.parent / (source.name + '-export')}")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file: pass a directory for the export")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / "export.json").is_file():
+        raise ExportError(f"{out} is not empty and holds no export.json, so it is not an earlier export: "
+                          "pass a new or empty directory (--overwrite replaces only an earlier export's files)")
+    if not overwrite:
+        raise ExportError(f"{out} is not empty (an earlier export): pass overwrite=True (--overwrite) to replace it, "
+                          "or another directory")
 
 
 def _read_json(file: Path) -> dict:
@@ -470,6 +494,9 @@ def export_and_push(heads_dir: str | Path, repo_id: str, fmt: str = "vllm", *, o
 
 
 def main(argv: list[str] | None = None) -> int:
+    from heads.directory import HeadsLoadError
+    from heads.target import TargetLoadError
+
     parser = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("heads_dir", help="a headstart heads directory (or Hub id)")
     parser.add_argument("out_dir")
@@ -486,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export_heads(args.heads_dir, args.out_dir, args.fmt, target=args.target, target_id=args.target_id,
                            num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
                            medusa_full_vocab=args.medusa_full_vocab, overwrite=args.overwrite)
-    except ExportError as err:
+    except (ExportError, HeadsLoadError, TargetLoadError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     info = _read_json(out / "export.json")

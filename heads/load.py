@@ -55,14 +55,23 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
     target is checked against the recorded fingerprint. When the heads directory has `adapter/` (Medusa-2) the
     LoRA adapter is merged into the returned model (a model passed in is copied first, never modified).
     """
+    from heads.target import TargetLoadError
+
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     method = read_method(heads_dir)
-    if target is None:
+    named = target is None
+    if named:
         target = read_config(heads_dir, EagleConfig if method in EAGLE_METHODS else MedusaConfig,
                              EAGLE_METHODS + MEDUSA_METHODS, "heads").target.get("name")
         if not target:
             raise HeadsLoadError(f"{heads_dir}/config.json names no target: pass one (a model or its path)")
-    model, tokenizer, info = resolve_target(target, dtype, device)
+    try:
+        model, tokenizer, info = resolve_target(target, dtype, device)
+    except TargetLoadError as err:
+        if not named:
+            raise
+        raise HeadsLoadError(f"the target {target!r} named in {heads_dir}/config.json could not be loaded ({err}). "
+                             "Pass the target these heads were trained on with --target PATH (Python: target=)") from err
     heads = load_heads(heads_dir, info, device=device)
     if getattr(heads.config, "adapter", False):
         owned = isinstance(target, (str, Path))

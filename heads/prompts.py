@@ -106,8 +106,14 @@ def _read_local(path: Path, spec: str) -> PromptSource:
     if not path.is_file():
         raise PromptSourceError(f"prompt file {path} does not exist")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise PromptSourceError(f"prompt file {path} is not UTF-8 text (byte {err.start}: {err.reason}): save it as "
+                                "UTF-8, e.g. `iconv -f latin1 -t utf-8`") from err
+    except (OSError, EOFError) as err:  # a cut or non-gzip .gz
+        raise PromptSourceError(f"prompt file {path} cannot be read ({err})") from err
     if ".jsonl" in path.suffixes:
         raw_rows, bad = [], 0
         for line in text.splitlines():

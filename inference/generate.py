@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from heads.chat import prompt_ids
+from heads.target import TargetLoadError
 from inference.decode import SpeculatorError
 from inference.speculator import Speculator
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                             acceptance="typical" if args.typical else "auto", seed=args.seed, on_tokens=stream,
                             lookup=not args.no_lookup)
         stream.end()
-    except SpeculatorError as err:
+    except (SpeculatorError, TargetLoadError) as err:  # a bad --heads / --tree / --target / prompt
         print(f"error: {err}", file=sys.stderr)
         return 2
     s = out.stats

@@ -25,7 +25,7 @@ from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, sp
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
 from inference.medusa import MedusaProposer
-from inference.tree import DynamicTreeConfig, Proposer, Tree, default_choices, tree_from_choices
+from inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
 
 DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
 
@@ -128,7 +128,13 @@ class Speculator:
                 raise SpeculatorError(f"{file} is not a tree file: it needs a JSON object with a 'choices' list") from err
         else:
             choices = tree
-        self._use_choices([list(c) for c in choices if len(c) <= self.max_depth])
+        cfg = self.heads.config
+        try:  # EAGLE drafts any depth; Medusa has one head per depth
+            choices = check_choices(choices, None if self.is_eagle else self.max_depth,
+                                    getattr(cfg, "draft_vocab_size", 0) or cfg.vocab_size)
+        except ValueError as err:
+            raise SpeculatorError(f"tree {tree if isinstance(tree, (str, Path)) else 'choices'}: {err}") from err
+        self._use_choices(choices)
 
     def _saved_tree(self, saved: Path) -> str:
         """The heads dir's tree.json if its calibration can be reused here, else "auto" (measure again)."""

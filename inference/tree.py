@@ -117,6 +117,37 @@ def tree_from_parents(parents: Sequence[int], ranks: Sequence[int] | None = None
     return tree
 
 
+def check_choices(choices, max_depth: int | None, num_candidates: int) -> list[list[int]]:
+    """User-given `choices` (a --tree JSON, a tree file, a Python list) checked and returned as lists of ints.
+
+    Each path: a non-empty list of non-negative integer ranks, each below `num_candidates` (the tokens a head or draft
+    scores), at most `max_depth` long (Medusa: its number of heads; None: any depth); every prefix of a path must be a
+    path too. ValueError names the first path that breaks a rule and how to write it.
+    """
+    example = "e.g. [[0], [1], [0, 0]]"
+    if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
+        raise ValueError(f"choices must be a list of rank paths ({example}), got {choices!r}")
+    paths = []
+    for path in choices:
+        if isinstance(path, (str, bytes)) or not isinstance(path, Sequence) or not path:
+            raise ValueError(f"choice {path!r} is not a non-empty list of ranks: write every node as its path of "
+                             f"per-depth ranks, {example}")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path):
+            raise ValueError(f"choice {list(path)!r} must hold non-negative integer ranks only ({example})")
+        if max(path) >= num_candidates:
+            raise ValueError(f"choice {list(path)} has rank {max(path)}, but the heads score only {num_candidates} "
+                             f"tokens per depth (ranks 0..{num_candidates - 1})")
+        if max_depth is not None and len(path) > max_depth:
+            raise ValueError(f"choice {list(path)} is {len(path)} deep, but the heads draft only {max_depth} tokens "
+                             f"ahead: use paths of at most {max_depth} ranks")
+        paths.append([int(r) for r in path])
+    known = {tuple(p) for p in paths}
+    for path in paths:
+        if len(path) > 1 and tuple(path[:-1]) not in known:
+            raise ValueError(f"choice {path} has no parent {path[:-1]} in the choices: add every prefix of a path")
+    return paths
+
+
 def tree_from_choices(choices: Sequence[Sequence[int]]) -> Tree:
     """Static tree from Medusa-style `choices` (paths of per-depth top-k ranks; the root is implicit).
 

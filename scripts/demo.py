@@ -32,7 +32,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from train.config import parse_config  # noqa: E402
+from train.config import ConfigError, parse_config  # noqa: E402
 
 
 @dataclass
@@ -91,6 +91,10 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class StageError(RuntimeError):
+    """A stage's command failed (it printed why)."""
+
+
 def run_stages(cfg: DemoConfig) -> dict:
     """Run the stages not done yet; -> {stage: {"minutes", "cpu_minutes", "command"} or {"reused": True, ...}}."""
     out = Path(cfg.output_dir)
@@ -109,7 +113,7 @@ def run_stages(cfg: DemoConfig) -> dict:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         result = subprocess.run(command, env=env)
         if result.returncode != 0:
-            raise SystemExit(f"demo stage '{name}' failed (exit {result.returncode}); fix what it printed and rerun: "
+            raise StageError(f"demo stage '{name}' failed (exit {result.returncode}); fix what it printed and rerun: "
                              "finished stages are reused")
         stages[name] = {"command": shown, "minutes": round((time.perf_counter() - wall) / 60, 2),
                         "cpu_minutes": round((children_cpu_s() - cpu) / 60, 2), "reused": False}
@@ -193,4 +197,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ConfigError, StageError) as err:  # a bad flag or recipe; a failed stage: one line, exit 2
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -243,8 +243,8 @@ def test_resume_is_exact(llama_dir, sd_dir, tmp_path, one_thread):
     assert full.keys() == resumed.keys()
     for name in full:
         assert torch.equal(full[name], resumed[name]), name
-    assert [r["step"] for r in train_log(tmp_path / "cut")] == [1, 2, 3, 4, 5, 5, 6, 7, 8]
-    assert [r["loss"] for r in train_log(tmp_path / "full")][4:] == [r["loss"] for r in train_log(tmp_path / "cut")][5:]
+    assert [r["step"] for r in train_log(tmp_path / "cut")] == list(range(1, 9))  # step 5, replayed, logged once
+    assert [r["loss"] for r in train_log(tmp_path / "full")] == [r["loss"] for r in train_log(tmp_path / "cut")]
 
 
 def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):

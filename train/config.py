@@ -10,7 +10,9 @@ flags on the command line are errors (the TRL script convention).
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TypeVar
@@ -74,6 +76,15 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
         raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
     if cfg.per_device_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
         raise ConfigError("per_device_batch_size and gradient_accumulation_steps must be >= 1")
+    for name in ("learning_rate", "lm_head_learning_rate", "target_learning_rate"):
+        value = getattr(cfg, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):  # 0 freezes those weights
+            raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
+    if not 0 <= cfg.warmup_ratio < 1 or cfg.weight_decay < 0:
+        raise ConfigError(f"warmup_ratio must be in [0, 1) and weight_decay >= 0, got {cfg.warmup_ratio}, {cfg.weight_decay}")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory: pass another --output_dir")
 
 
 def _find_config_path(argv: list[str]) -> str | None:
@@ -101,7 +112,36 @@ def load_recipe(path: str, cls: type) -> dict:
         raise ConfigError(
             f"recipe {path} has unknown key(s) {unknown} for {cls.__name__}; valid keys: {sorted(fields - {'config'})}"
         )
+    hints = typing.get_type_hints(cls)
+    for key, value in recipe.items():
+        if not _has_type(value, hints[key]):
+            raise ConfigError(f"recipe {path}: {key} must be {_type_name(hints[key])}, got {value!r}")
     return recipe
+
+
+def _has_type(value, hint) -> bool:
+    """Whether a YAML value fits a config field's annotation (the command line's argparse checks its own)."""
+    if typing.get_origin(hint) is typing.Union:
+        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_has_type(v, item) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_name(hint) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union:
+        return f"{_type_name(args[0])} or null"
+    if typing.get_origin(hint) is list:
+        return f"a list of {_type_name(args[0])}"
+    return {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
 def parse_config(cls: type[T], argv: list[str] | None = None) -> T:

@@ -170,11 +170,18 @@ def _names_target(served: dict, target: str) -> bool:
     return any(Path(str(served.get(key, "")).rstrip("/")).name == want for key in ("id", "root"))
 
 
+def base_url(url: str) -> str:
+    """A server's base URL without a trailing / or /v1: the bare form and the OpenAI SDK's base-URL form (the one
+    vLLM's and SGLang's docs print) name the same server; requests add /v1/... themselves."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 @dataclass
 class Server:
     """One endpoint: its base URL, the model name to ask for, its health."""
 
-    url: str  # without a trailing /
+    url: str  # without a trailing / or /v1
     model: str = ""  # as /v1/models lists it
     in_flight: int = 0
     failures: int = 0  # in a row
@@ -187,7 +194,7 @@ class OpenAIEngine:
             raise EngineError("--backend openai needs --server_url URL [URL ...] (servers started with "
                               f"`{SERVE_COMMAND}`)")
         self.cfg, self.eos_ids = cfg, sorted(eos_ids)
-        self.servers = [Server(url.rstrip("/")) for url in cfg.server_url]
+        self.servers = [Server(base_url(url)) for url in cfg.server_url]
         self.lock = threading.Lock()
         for server in self.servers:
             self._check(server, tokenizer)
@@ -202,7 +209,14 @@ class OpenAIEngine:
     def _check(self, server: Server, tokenizer) -> None:
         try:
             self._check_serves_target(server, tokenizer)
-        except (_Retryable, urllib.error.HTTPError) as err:
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                raise EngineError(f"{err.filename} answered 404 Not Found: {server.url} is reachable but serves no OpenAI "
+                                  "API there. Pass the server's base URL as --server_url (http://HOST:PORT or "
+                                  f"http://HOST:PORT/v1), for a server started with `{SERVE_COMMAND}`") from err
+            raise EngineError(f"cannot use the OpenAI-compatible server at {server.url}: {err.filename} answered HTTP "
+                              f"{err.code} ({_http_error_text(err)})") from err
+        except _Retryable as err:
             raise EngineError(f"cannot reach an OpenAI-compatible server at {server.url} ({err}): start one with "
                               f"`{SERVE_COMMAND}`, or fix --server_url") from err
 
@@ -256,7 +270,7 @@ class OpenAIEngine:
                 raise EngineError(f"{server.url} refused a prompt of {len(prompt)} tokens + {max_tokens} new: "
                                   f"{message.rstrip('.')}. Lower --max_length to the server's context, or restart it with a "
                                   "larger --max-model-len") from err
-            raise EngineError(f"{server.url} refused a request (HTTP {err.code}): {message}") from err
+            raise EngineError(f"{server.url} refused a request to {err.filename} (HTTP {err.code}): {message}") from err
 
     def _pick(self) -> Server:
         with self.lock:

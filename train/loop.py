@@ -9,12 +9,15 @@ what is its method's own: its model and parameter groups, one optimizer step's l
 
 Each optimizer step takes gradient_accumulation_steps global batches drawn from one seeded permutation per epoch
 (train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
-(accelerate save_state / load_state: weights, optimizer, scheduler, RNG) sees those of the uninterrupted run.
+(accelerate save_state / load_state: weights, optimizer, RNG; the LR schedule in trainer_state.json) sees those of the
+uninterrupted run. A checkpoint is written to a temporary folder and renamed when complete; resuming unpickles no code
+(docs/safety.md). A full disk is named as such, and the last complete checkpoint is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import faulthandler
 import json
 import math
@@ -22,6 +25,7 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,13 +38,21 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from heads.directory import push_heads_dir
+from heads.directory import HeadsLoadError, push_heads_dir
 from heads.export import ExportError, export_and_push
-from heads.target import load_target
+from heads.prompts import PromptSourceError
+from heads.target import TargetLoadError, load_target
 from train.config import ConfigError, TrainRunConfig, parse_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
+from train.engines import EngineError
 
 WATCHDOG_ENV = "HEADSTART_WATCHDOG_S"  # seconds: a process still running then prints its threads' stacks and exits 1
+LOW_SPACE_BYTES = 64 << 20  # a failed write with less free space than this on its filesystem: the disk is full
+PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # the torch.save files accelerate's save_state writes
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or heads directory that cannot be written (full disk) or must not be loaded (not plain data)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -148,15 +160,147 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig) -> None:
-    ckpt = output_dir / "checkpoints" / f"step-{step}"
-    accelerator.save_state(str(ckpt))
-    if accelerator.is_main_process:  # written last: marks the checkpoint complete
-        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=2))
-        old = sorted((output_dir / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+def disk_full(err: BaseException, path: Path) -> str | None:
+    """'no space left on device ...' when `err`, raised writing under `path`, came from a full disk, else None.
+    torch.save reports a full disk only as 'basic_ios::clear: iostream error' or 'unexpected pos': then the free space
+    left on the filesystem (read before the partial files are removed) tells."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on device"
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    free = shutil.disk_usage(existing).free if existing is not None else None
+    if free is not None and free < LOW_SPACE_BYTES:
+        return f"no space left on device ({free} bytes free there; {type(err).__name__}: {str(err).splitlines()[0][:120]})"
+    return None
+
+
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig, scheduler) -> None:
+    """accelerate's save_state (model as safetensors, optimizer and RNG states as torch.save files) plus
+    trainer_state.json (step, config, LR scheduler state), written into checkpoints/.step-N.tmp and renamed to step-N
+    when complete; only then are checkpoints beyond keep_checkpoints removed. A full disk is a CheckpointError."""
+    root = output_dir / "checkpoints"
+    ckpt, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            state = {"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict()}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    except Exception as err:  # torch.save and safetensors raise RuntimeError / their own types
+        full = disk_full(err, tmp)
+        if full is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = latest_checkpoint(output_dir)
+        raise CheckpointError(
+            f"could not write checkpoint {ckpt}: {full}. "
+            + (f"The last complete checkpoint {kept} is kept: free space and rerun with --resume"
+               if kept else "No earlier checkpoint exists: free space and rerun")) from err
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete folder of that step from an earlier run
+        os.replace(tmp, ckpt)
+        old = sorted((p for p in root.glob("step-*") if (p / "trainer_state.json").is_file()),
+                     key=lambda p: int(p.name.split("-")[1]))
         for path in old[: max(0, len(old) - cfg.keep_checkpoints)]:
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def check_pickles(ckpt: Path) -> None:
+    """Every torch.save file in a checkpoint must be plain data: torch.load(weights_only=True) (with accelerate's
+    numpy globals for the RNG state; mmap: the tensors themselves are not read here) refuses anything that would run
+    code when unpickled. CheckpointError names the file."""
+    from accelerate.utils.other import load
+
+    for file in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.suffix in PICKLE_SUFFIXES):
+        if file.name.startswith("custom_checkpoint_"):
+            raise CheckpointError(
+                f"{file}: accelerate unpickles custom_checkpoint_*.pkl with weights_only=False, which can run code, and "
+                "headstart writes none (older versions kept the LR schedule there). Resume from a checkpoint this "
+                "version wrote, or start without --resume")
+        try:
+            load(str(file), map_location="cpu", mmap=True)
+        except Exception as err:  # UnpicklingError, or a file torch cannot read as its format
+            raise CheckpointError(
+                f"{file} is not plain tensor data (torch.load(weights_only=True) refused it: "
+                f"{str(err).splitlines()[0][:200]}); headstart does not unpickle code from a checkpoint. Delete "
+                f"{ckpt} to resume from an older checkpoint, or start without --resume") from err
+
+
+def load_checkpoint(accelerator: Accelerator, ckpt: Path, scheduler) -> int:
+    """Restore what save_checkpoint wrote (weights, optimizer, RNG, LR schedule); returns its step. Nothing is
+    unpickled with code: check_pickles first, then accelerate's loads with weights_only=True (docs/safety.md)."""
+    rng = ckpt / f"random_states_{accelerator.process_index}.pkl"
+    if not rng.is_file():  # accelerate would go on silently without it: the resumed run would draw other numbers
+        raise CheckpointError(f"{ckpt} has no {rng.name}: the checkpoint is incomplete; delete it to resume from an "
+                              "older one")
+    check_pickles(ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "scheduler" not in state:
+        raise CheckpointError(f"{ckpt}/trainer_state.json has no scheduler state: written by an older headstart. "
+                              "Start without --resume")
+    accelerator.load_state(str(ckpt), load_kwargs={"weights_only": True})
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"])
+
+
+def write_dir(final: Path, write: Callable[[Path], Any], latest: Path | None = None) -> None:
+    """write(folder) into a temporary sibling of `final`, renamed to `final` when complete (an older `final` is
+    replaced only then). On a full disk the folder is written to the system temp dir instead, and CheckpointError
+    says where it went (or that it could not be written, and what is left to resume from)."""
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
+    except Exception as err:  # see save_checkpoint
+        full = disk_full(err, tmp)
+        if full is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        spare = Path(tempfile.mkdtemp(prefix=f"headstart-{final.name}-"))
+        try:
+            write(spare)
+        except Exception as spare_err:
+            shutil.rmtree(spare, ignore_errors=True)
+            left = (f"the last checkpoint {latest} is kept: free space and rerun with --resume" if latest else
+                    "no checkpoint was kept (checkpoint_every 0): free space and rerun")
+            raise CheckpointError(f"could not write {final}: {full}; nor {spare} ({spare_err}); {left}") from err
+        os.chmod(spare, 0o777 & ~_umask())
+        raise CheckpointError(f"could not write {final}: {full}. It was written to {spare} instead: move that folder to "
+                              f"{final} once there is space") from err
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def open_log(path: Path, step: int):
+    """train_log.jsonl for appending from `step` on: records past it (the steps a resumed run replays, or an earlier
+    run's) are dropped first, so each step is logged once."""
+    if path.is_file():
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+                kept.append(line + "\n")
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+    return open(path, "a")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -209,8 +353,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
     optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # stepped by us once per optimizer step, saved with the state
+    model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler, stepped by us, is saved as JSON
 
     def epoch_loader(epoch: int) -> DataLoader:
         order = torch.randperm(len(run.train_rows), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
@@ -225,15 +368,14 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         if ckpt is None:
             log(f"--resume: no checkpoint in {run.output_dir}/checkpoints, starting from step 0")
         else:
-            accelerator.load_state(str(ckpt))  # weights (buffers such as a draft vocabulary too), optimizer, scheduler, RNG
-            step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+            step = load_checkpoint(accelerator, ckpt, scheduler)  # weights (buffers too), optimizer, scheduler, RNG
             log(f"resumed from {ckpt} (step {step})")
     if cfg.report_to != "none":
         hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
         accelerator.init_trackers(f"headstart-{cfg.method}", config=hparams,
                                   init_kwargs={"wandb": {"dir": str(run.output_dir)}} if cfg.report_to == "wandb" else {})
 
-    log_file = open(run.output_dir / "train_log.jsonl", "a") if accelerator.is_main_process else None
+    log_file = open_log(run.output_dir / "train_log.jsonl", step) if accelerator.is_main_process else None
     bar = tqdm(total=total_steps, initial=step, desc=cfg.method, disable=not accelerator.is_main_process)
     start_time, tokens_seen, start_step = time.perf_counter(), 0, step
     stop_at = min(total_steps, cfg.stop_after_steps) if cfg.stop_after_steps > 0 else total_steps
@@ -264,7 +406,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
                                  **{f"{k}/{i + 1}": x for k, v in record.items() if isinstance(v, list) for i, x in enumerate(v)}},
                                 step=step)
             if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0:
-                save_checkpoint(accelerator, run.output_dir, step, cfg)
+                save_checkpoint(accelerator, run.output_dir, step, cfg, scheduler)
             if step >= stop_at:
                 break
     bar.close()
@@ -322,10 +464,12 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
                     "steps_this_run": trained.step - trained.start_step, "config": asdict(cfg)})
     heads_dir = run.output_dir / "heads"
     if accelerator.is_main_process:
-        heads_dir.mkdir(parents=True, exist_ok=True)
-        save(heads_dir)
-        (heads_dir / "README.md").write_text(model_card(cfg, run.info, run.stats, metrics))
-        (heads_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        def write(folder: Path) -> None:
+            save(folder)
+            (folder / "README.md").write_text(model_card(cfg, run.info, run.stats, metrics))
+            (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
+
+        write_dir(heads_dir, write, latest_checkpoint(run.output_dir))
         accelerator.print(f"heads written to {heads_dir}; held-out top-1 per {unit} {metrics['top1']}, top-5 {metrics['top5']}")
         if cfg.push_to_hub:
             push(heads_dir, cfg.push_to_hub, cfg.push_format)
@@ -355,14 +499,19 @@ def end_run(accelerator: Accelerator) -> None:
         tracker.finish()
 
 
+# what a script's user can fix (recipe, flags, files, target, servers, disk): one line, exit 2; others: a traceback
+USER_ERRORS = (ConfigError, DataError, TargetLoadError, HeadsLoadError, PromptSourceError, EngineError, ExportError,
+               CheckpointError)
+
+
 def run_main(main: Callable) -> None:
-    """A script's entry point: bad recipes or data exit 2 with one line. With HEADSTART_WATCHDOG_S set, a process
+    """A script's entry point: USER_ERRORS exit 2 with one line. With HEADSTART_WATCHDOG_S set, a process
     still running after that many seconds prints every thread's Python stack to stderr and exits (a hang fails fast)."""
     if os.environ.get(WATCHDOG_ENV):
         faulthandler.dump_traceback_later(float(os.environ[WATCHDOG_ENV]), exit=True)
     try:
         main()
-    except (ConfigError, DataError) as err:
+    except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if torch.distributed.is_initialized():  # past the last barrier, files closed: exit without the group's teardown

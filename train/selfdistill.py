@@ -30,7 +30,9 @@ Output, in OUTPUT_DIR:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -47,6 +49,7 @@ from heads.chat import render_chat, stop_token_ids
 from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target
 from train.config import ConfigError, parse_config
+from train.data import DataError
 from train.engines import BACKENDS, make_engine
 
 # settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
@@ -195,22 +198,60 @@ def _write_json_atomic(path: Path, payload: dict) -> None:
 
 
 def _check_settings(output_dir: Path, cfg: SelfDistillConfig, is_main: bool) -> None:
+    """A rerun into output_dir must use the settings of the run whose batches are there; before any batch is written
+    (e.g. an earlier run failed on its prompts or target) the new settings replace the old."""
     settings = {k: getattr(cfg, k) for k in RESULT_FIELDS}
     run_file = output_dir / "run.json"
-    if run_file.is_file():
+    if run_file.is_file() and any((output_dir / "parts").glob("batch_*.json")):
         # a field added after that run was written: the run had its default (runs before `backend` used hf)
         defaults = {f.name: f.default for f in dataclasses.fields(SelfDistillConfig)}
         previous = {k: v for k, v in defaults.items() if k in settings} | json.loads(run_file.read_text())
         differing = sorted(k for k in settings if previous.get(k) != settings[k])
         if differing:
-            raise ValueError(
+            raise ConfigError(
                 f"{output_dir} holds a self-distillation run with other settings ({', '.join(differing)}: "
                 f"{[previous.get(k) for k in differing]} there, {[settings[k] for k in differing]} now). "
                 "Resume with the same settings, or pass a new --output_dir."
             )
-    elif is_main:
+    elif is_main and (not run_file.is_file() or json.loads(run_file.read_text()) != settings):
         output_dir.mkdir(parents=True, exist_ok=True)
         _write_json_atomic(run_file, settings)
+
+
+def check_selfdistill_config(cfg: SelfDistillConfig) -> None:
+    """Flag values that cannot work, refused before anything is loaded or written."""
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    if cfg.num_prompts is not None and cfg.num_prompts < 1:
+        raise ConfigError(f"--num_prompts must be at least 1 (or left out for every row), got {cfg.num_prompts}")
+    for name in ("max_turns", "max_new_tokens", "batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output_dir {out} is a file, not a directory: pass another --output_dir")
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: Path, take: bool):
+    """An exclusive fcntl lock on output_dir/.selfdistill.lock while a run writes there (take: the run's main
+    process only; the processes of one accelerate launch share the dir): a second run on the dir is refused."""
+    if not take:
+        yield
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / ".selfdistill.lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            raise ConfigError(f"another self-distillation run (pid {holder}) is writing {output_dir}: wait for it to "
+                              "finish (rerun then to resume it), or pass another --output_dir") from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
 
 
 def load_selfdistilled(output_dir: str | Path):
@@ -231,14 +272,19 @@ def _load_chat_template(value: str) -> str:
 
 def run_selfdistill(cfg: SelfDistillConfig) -> Path:
     """Run (or resume) self-distillation; returns the output directory."""
-    import datasets
     from accelerate import Accelerator
 
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
+    check_selfdistill_config(cfg)
     # without cpu=True accelerate sets up no process group on a machine without GPUs (world size 1 each); an
     # engine backend leaves the GPUs to the engine
     accelerator = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available() or cfg.backend != "hf")
+    with output_lock(Path(cfg.output_dir), accelerator.is_main_process):
+        return _distill(cfg, accelerator)
+
+
+def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
+    import datasets
+
     output_dir = Path(cfg.output_dir)
     _check_settings(output_dir, cfg, accelerator.is_main_process)
     accelerator.wait_for_everyone()
@@ -249,14 +295,14 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
 
     source = load_prompts(cfg.prompts, limit=cfg.num_prompts)
     if not source.rows:
-        raise ValueError(f"prompt source {cfg.prompts!r} gave no usable rows (skipped: {dict(source.skipped)})")
+        raise DataError(f"prompt source {cfg.prompts!r} gave no usable rows (skipped: {dict(source.skipped)})")
     # an engine backend loads the target here too (CPU), for its tokenizer, stop tokens and fingerprint
     device = (cfg.device or accelerator.device) if cfg.backend == "hf" else "cpu"
     model, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=device)
     if cfg.chat_template:
         tokenizer.chat_template = _load_chat_template(cfg.chat_template)
     if not tokenizer.chat_template:
-        raise ValueError(
+        raise ConfigError(
             f"the tokenizer of target {cfg.target!r} has no chat template, which self-distillation needs to render "
             "conversations. Use the instruct/chat version of the model, or set chat_template in the recipe "
             "(a Jinja string or a path to a .jinja file)."
@@ -329,4 +375,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from train.loop import run_main  # bad flags, files, targets, servers: one line, exit 2
+
+    run_main(main)
