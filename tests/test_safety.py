@@ -152,7 +152,7 @@ def test_resume_cli_refuses_a_payload_in_one_line(tiny_target_dir, sd_dir, tmp_p
 def test_full_disk_while_checkpointing_keeps_the_last_checkpoint(tiny_target_dir, sd_dir, tmp_path, monkeypatch):
     """torch.save raising ENOSPC (monkeypatched) at the step-4 checkpoint: named with its path, step-2 kept, no
     partial folder; --resume then finishes with the weights of an uninterrupted run."""
-    from train.loop import CheckpointError
+    from train.cli import CheckpointError
 
     common = ["--max_steps", "6", "--checkpoint_every", "2"]
     medusa_main(base_args(tiny_target_dir, sd_dir, tmp_path / "full", *common))
@@ -180,7 +180,7 @@ def test_full_disk_at_the_final_save_keeps_the_heads(tiny_target_dir, sd_dir, tm
     the system temp dir instead and the error says where; no partial heads dir is left."""
     import safetensors.torch
 
-    from train.loop import CheckpointError
+    from train.cli import CheckpointError
 
     out = tmp_path / "run"
     real = safetensors.torch.save_model
@@ -214,7 +214,7 @@ def tiny_disk(tmp_path):
 
 
 def test_full_tmpfs_while_checkpointing_is_named(tiny_target_dir, sd_dir, tiny_disk):
-    from train.loop import CheckpointError
+    from train.cli import CheckpointError
 
     out = tiny_disk / "run"
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*: no space left on device") as err:

@@ -62,8 +62,8 @@ from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import DataError, collate, pad_features, shifted_labels, supervised_token_counts
-from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, run_main, start_run,
-                        train)
+from train.cli import run_main
+from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
 
 
 @dataclass

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import faulthandler
 import json
 import math
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -38,21 +36,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from heads.directory import HeadsLoadError, push_heads_dir
+from heads.directory import push_heads_dir
 from heads.export import ExportError, export_and_push
-from heads.prompts import PromptSourceError
-from heads.target import TargetLoadError, load_target
-from train.config import ConfigError, TrainRunConfig, parse_config
+from heads.target import load_target
+from train.cli import CheckpointError
+from train.config import TrainRunConfig, parse_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
-from train.engines import EngineError
 
-WATCHDOG_ENV = "HEADSTART_WATCHDOG_S"  # seconds: a process still running then prints its threads' stacks and exits 1
 LOW_SPACE_BYTES = 64 << 20  # a failed write with less free space than this on its filesystem: the disk is full
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # the torch.save files accelerate's save_state writes
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or heads directory that cannot be written (full disk) or must not be loaded (not plain data)."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -497,23 +489,3 @@ def end_run(accelerator: Accelerator) -> None:
     the GIL, and a worker still freeing a finished collective's tensors waits for the GIL: a process hung at exit."""
     for tracker in accelerator.trackers:
         tracker.finish()
-
-
-# what a script's user can fix (recipe, flags, files, target, servers, disk): one line, exit 2; others: a traceback
-USER_ERRORS = (ConfigError, DataError, TargetLoadError, HeadsLoadError, PromptSourceError, EngineError, ExportError,
-               CheckpointError)
-
-
-def run_main(main: Callable) -> None:
-    """A script's entry point: USER_ERRORS exit 2 with one line. With HEADSTART_WATCHDOG_S set, a process
-    still running after that many seconds prints every thread's Python stack to stderr and exits (a hang fails fast)."""
-    if os.environ.get(WATCHDOG_ENV):
-        faulthandler.dump_traceback_later(float(os.environ[WATCHDOG_ENV]), exit=True)
-    try:
-        main()
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    if torch.distributed.is_initialized():  # past the last barrier, files closed: exit without the group's teardown
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(0)

@@ -45,9 +45,10 @@ from heads.directory import ADAPTER_DIR
 from heads.eagle import most_frequent_tokens
 from heads.load import load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from train.cli import run_main
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import collate, pad_features, shifted_labels, supervised_token_counts
-from train.loop import Run, accumulate, accuracy_table, card_facts, finish_run, rank_summary, run_main, start_run, train
+from train.loop import Run, accumulate, accuracy_table, card_facts, finish_run, rank_summary, start_run, train
 
 
 @dataclass

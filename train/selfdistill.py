@@ -375,6 +375,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from train.loop import run_main  # bad flags, files, targets, servers: one line, exit 2
+    from train.cli import run_main  # bad flags, files, targets, servers: one line, exit 2
 
     run_main(main)
