@@ -6,13 +6,19 @@ position t reads fc(cat(embed(x_{t+1}), f_t)) (2h -> h), runs one decoder layer 
 
 EAGLE-3 (`method="eagle3"`): the feature is fc(cat(hidden_states[i] for i in feature_layers)) (3h -> h; HF
 indexing: hidden_states[0] is the embedding output, [i] the input of layer i; default low/mid/high taps 2, L//2,
-L-3). The layer's attention reads cat(input_layernorm(embed), hidden_norm(feature)) (2h into q/k/v); its pre-norm
-output is fed back as the next step's feature, and `norm` + the draft's own `lm_head` give logits over a reduced
-draft vocabulary (the most frequent target tokens): draft id i is target id i + d2t[i]; t2d marks the target ids
-that have a draft id.
+L-3). The layer's attention reads cat(input_layernorm(embed), hidden_norm(feature)) (2h into q/k/v); its output
+is fed back as the next step's feature, and `norm` + the draft's own `lm_head` give logits over a reduced draft
+vocabulary (the most frequent target tokens): draft id i is target id i + d2t[i]; t2d marks the target ids that
+have a draft id. Three optional RMSNorms (the flags of vllm-project/speculators' Eagle3 config, same meaning):
+  norm_before_fc        fc(input_norm(cat(taps))): one RMSNorm over the n*h concatenated taps
+  norm_before_residual  the residual around the attention is hidden_norm(feature) instead of the raw feature
+  norm_output           the fed-back feature is norm(output) (the state the lm_head reads) instead of the pre-norm
+                        output
+All three off is the architecture of heads saved before these flags existed (their config.json lacks them).
 
-Tensor names follow vLLM's loaders: `fc.*`, `layers.0.*` (the decoder layer; `hidden_norm` for EAGLE-3), `norm`,
-`lm_head`, `d2t`. The target's embeddings (and, for EAGLE-1, its lm_head) are not stored: they are the target's.
+Tensor names follow vLLM's loaders: `fc.*`, `input_norm` (norm_before_fc), `layers.0.*` (the decoder layer;
+`hidden_norm` for EAGLE-3), `norm`, `lm_head`, `d2t`. The target's embeddings (and, for EAGLE-1, its lm_head) are
+not stored: they are the target's.
 
     draft = EagleDraft(eagle_config_for(model, "eagle3", draft_vocab_size=8192))
     feats = draft.fuse(taps)                          # [B, T, n*h] -> [B, T, h]
@@ -35,6 +41,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from heads.directory import HeadsModule
 
 METHODS = ("eagle", "eagle3")
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EagleConfig's EAGLE-3 norm options
 
 
 @dataclass
@@ -46,6 +53,10 @@ class EagleConfig:
     feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
     layer_config: dict = field(default_factory=dict)  # the target's text config (builds the decoder layer)
     target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
+    # EAGLE-3's optional RMSNorms (module docstring); absent from a config.json = False = the original architecture
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -57,6 +68,10 @@ class EagleConfig:
                              "a reduced draft_vocab_size needs method: eagle3")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
+        flags = [n for n in NORM_FLAGS if getattr(self, n)]
+        if self.method == "eagle" and flags:
+            raise ValueError(f"{', '.join(flags)}: EAGLE-3 draft options; EAGLE-1 has no fused taps, hidden_norm or own "
+                             "norm. Set them false, or use method: eagle3")
 
 
 def default_feature_layers(method: str, num_hidden_layers: int) -> list[int]:
@@ -69,8 +84,8 @@ def default_feature_layers(method: str, num_hidden_layers: int) -> list[int]:
 
 
 def eagle_config_for(model, method: str = "eagle", draft_vocab_size: int = 0, feature_layers: list[int] | None = None,
-                     target_info: Any = None) -> EagleConfig:
-    """An EagleConfig sized for `model` (a transformers causal LM)."""
+                     target_info: Any = None, **norms: bool) -> EagleConfig:
+    """An EagleConfig sized for `model` (a transformers causal LM); `norms`: EAGLE-3's NORM_FLAGS (default off)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layer_config = text.to_dict()
     layer_config["num_hidden_layers"] = 1
@@ -81,6 +96,7 @@ def eagle_config_for(model, method: str = "eagle", draft_vocab_size: int = 0, fe
         hidden_size=text.hidden_size, vocab_size=text.vocab_size, method=method, draft_vocab_size=draft_vocab_size,
         feature_layers=list(feature_layers) if feature_layers else default_feature_layers(method, text.num_hidden_layers),
         layer_config=layer_config, target=target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info or {}),
+        **norms,
     )
 
 
@@ -110,7 +126,10 @@ class EagleDraft(HeadsModule):
             self.fc = nn.Linear(2 * h, h, bias=True)
             del layer.input_layernorm  # the first (only) layer reads fc's output directly
         else:
-            self.fc = nn.Linear(len(config.feature_layers) * h, h, bias=False)
+            n = len(config.feature_layers)
+            if config.norm_before_fc:
+                self.input_norm = type(layer.input_layernorm)(n * h, eps=layer_config.rms_norm_eps)
+            self.fc = nn.Linear(n * h, h, bias=False)
             attn = layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj"):  # attention reads cat(embed, feature): 2h inputs
                 old = getattr(attn, name)
@@ -132,19 +151,23 @@ class EagleDraft(HeadsModule):
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's tapped hidden states [..., n*h] (concatenated in feature_layers order) -> feature [..., h]."""
-        return self.fc(taps) if self.is_eagle3 else taps
+        if not self.is_eagle3:
+            return taps
+        return self.fc(self.input_norm(taps) if self.config.norm_before_fc else taps)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """embeds [B, T, h] (target embedding of x_{t+1}), features [B, T, h] (f_t, fused or fed back),
         position_ids [B, T], attention_mask additive [B, 1, T, past + T] (None: causal without a cache)
-        -> [B, T, h]: the predicted f_{t+1} (EAGLE-1) / pre-norm output fed back as a feature (EAGLE-3)."""
+        -> [B, T, h]: the predicted f_{t+1} (EAGLE-1) / the output fed back as a feature (EAGLE-3: pre-norm, or
+        norm(output) with norm_output)."""
         layer = self.layers[0]
         if attention_mask is None:
             attention_mask = causal_mask(embeds.shape[1], embeds.dtype, embeds.device)
         if self.is_eagle3:
-            residual = features
-            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(features)], dim=-1)  # [B, T, 2h]
+            normed = layer.hidden_norm(features)
+            residual = normed if self.config.norm_before_residual else features
+            x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2h]
         else:
             x = self.fc(torch.cat([embeds, features], dim=-1))  # [B, T, h]
             residual = x
@@ -152,12 +175,14 @@ class EagleDraft(HeadsModule):
         attn, _ = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, **{self._cache_arg: cache})
         x = residual + attn
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(out) if self.is_eagle3 and self.config.norm_output else out
 
     def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """out [..., h] -> logits [..., draft_vocab_size] (EAGLE-1: the target's lm_head, pass its weight [V, h])."""
+        """out [..., h] (forward's output) -> logits [..., draft_vocab_size] (EAGLE-1: the target's lm_head, pass its
+        weight [V, h]). EAGLE-3: lm_head(norm(out)); with norm_output forward has applied the norm already."""
         if self.is_eagle3:
-            return self.lm_head(self.norm(out))
+            return self.lm_head(out if self.config.norm_output else self.norm(out))
         if lm_head_weight is None:
             raise ValueError("EAGLE-1 drafts through the target's lm_head: pass lm_head_weight")
         return out @ lm_head_weight.t()

@@ -17,12 +17,16 @@ Engine conventions (read from vLLM 0.32's loaders, SGLang's llama_eagle*.py and 
 - EAGLE-3, vLLM (`method: eagle3`): the target family's one-layer config, `architectures: [LlamaForCausalLMEagle3]`,
   `draft_vocab_size`, `target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids` = headstart's
   feature_layers (vLLM's id k is HF hidden_states[k], as headstart's); tensors fc, layers.0.*, norm, lm_head, d2t.
+  The draft's norm flags go at the top level, each written out: vLLM 0.32's llama_eagle3.py reads
+  `norm_before_fc` (RMSNorm `input_norm` over the concatenated taps, in combine_hidden_states),
+  `norm_before_residual` (the decoder layer's residual is hidden_norm(feature)) and `norm_output` (the post-norm
+  state is fed back), with the meanings of heads/eagle.py; `input_norm.weight` ships when norm_before_fc is on.
 - EAGLE-3, SGLang (SpecForge's layout): the decoder layer as `midlayer.*`, `d2t` and `t2d`, layer ids shifted by one
-  (SGLang's id L is HF hidden_states[L + 1]), legacy top-level `rope_theta`.
+  (SGLang's id L is HF hidden_states[L + 1]), legacy top-level `rope_theta`. Drafts with a norm flag on are refused
+  (not checked against an SGLang loader).
 - EAGLE-3, speculators (vllm-project/speculators `Eagle3Speculator`): `speculators_model_type: eagle3`,
-  `transformer_layer_config`, `speculators_config` (algorithm, greedy proposal, verifier), and
-  `norm_before_residual: false` written out (vLLM's reader assumes True when it is absent; headstart's draft keeps
-  the un-normed feature as the residual).
+  `transformer_layer_config`, `speculators_config` (algorithm, greedy proposal, verifier), and the three norm flags
+  written out (vLLM's reader assumes `norm_before_residual: true` when it is absent), `fc_norm: false`.
 - EAGLE-1, vLLM (`method: eagle`, `EagleLlamaForCausalLM`): vLLM's `fc` has no bias. headstart's fc bias b is
   folded into a draft-owned embedding: fc(cat(e, f)) + b = W_e (e + d) + W_f f with W_e d = b (least squares), so
   the export ships `embed_tokens` = target embedding + d (vLLM keeps a draft embedding that differs from the
@@ -170,6 +174,8 @@ def fold_fc_bias(fc_weight: torch.Tensor, fc_bias: torch.Tensor, embed: torch.Te
 
 
 def _eagle3(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, dict]:
+    from heads.eagle import NORM_FLAGS
+
     cfg = heads.config
     state = {n: t.detach().cpu() for n, t in heads.state_dict().items()}
     engine = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators)"}[fmt]
@@ -179,8 +185,14 @@ def _eagle3(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, 
     full_vocab = cfg.draft_vocab_size == cfg.vocab_size
     tensors = {"fc.weight": state["fc.weight"], "norm.weight": state["norm.weight"],
                "lm_head.weight": state["lm_head.weight"]}
+    norms = {n: bool(getattr(cfg, n)) for n in NORM_FLAGS}  # the draft's architecture flags (heads/eagle.py)
+    if norms["norm_before_fc"]:
+        tensors["input_norm.weight"] = state["input_norm.weight"]
     notes = {}
     if fmt == "sglang":
+        if any(norms.values()):
+            raise ExportError(f"this draft uses {', '.join(n for n in NORM_FLAGS if norms[n])}, which headstart's SGLang "
+                              "export has not been checked to reproduce: use --format vllm or speculators")
         if qkv_bias:
             raise ExportError("SGLang's EAGLE-3 layer (LlamaForCausalLMEagle3) builds q/k/v without biases; this "
                               "draft's layer has them (a Qwen2-family target), so SGLang would drop them silently. "
@@ -197,7 +209,7 @@ def _eagle3(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, 
         tensors["d2t"] = state["d2t"]  # vLLM maps it to draft_id_to_target_id; with a full vocabulary it has none
     if fmt == "vllm":
         config = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=cfg.draft_vocab_size,
-                      target_hidden_size=cfg.hidden_size, norm_before_residual=False,
+                      target_hidden_size=cfg.hidden_size, **norms,
                       eagle_config={"eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers)})
         return config, tensors, notes
     if not full_vocab:
@@ -208,10 +220,8 @@ def _eagle3(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, 
         "transformer_layer_config": dict(layer, architectures=["LlamaForCausalLM"]),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
+        **norms,
         "fc_norm": False,
-        "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": list(cfg.feature_layers),
         "speculators_config": {
             "algorithm": "eagle3",

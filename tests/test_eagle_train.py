@@ -119,11 +119,16 @@ def inference_chain(draft: EagleDraft, embeds: torch.Tensor, feats: torch.Tensor
     return out[0, 0]
 
 
-@pytest.mark.parametrize("model_type,method", [("llama", "eagle3"), ("qwen2", "eagle3"), ("llama", "eagle")])
-def test_unrolled_steps_equal_the_inference_chain(model_type, method, one_thread):
+ALL_NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("model_type,method,norms", [("llama", "eagle3", {}), ("qwen2", "eagle3", {}), ("llama", "eagle", {}),
+                                                     ("llama", "eagle3", ALL_NORMS)])
+def test_unrolled_steps_equal_the_inference_chain(model_type, method, norms, one_thread):
     """Step i at t (padded batch) == the chain rooted at t - i run as inference does, for every valid t."""
     model = tiny_model(model_type, num_hidden_layers=4)
-    draft = EagleDraft(eagle_config_for(model, method, feature_layers=[1, 2, 3] if method == "eagle3" else None)).eval()
+    draft = EagleDraft(eagle_config_for(model, method, feature_layers=[1, 2, 3] if method == "eagle3" else None,
+                                        **norms)).eval()
     torch.manual_seed(1)
     B, T, h, steps = 2, 11, model.config.hidden_size, 4
     embeds = torch.randn(B, T, h)

@@ -50,10 +50,11 @@ def make_target(family: str = "llama", layers: int = LAYERS):
     return model, target_info(f"tiny-{family}", model)
 
 
-def eagle_dir(tmp_path, model, info, method: str, draft_vocab: int = 64, bias_scale: float = 0.0, name: str = ""):
+def eagle_dir(tmp_path, model, info, method: str, draft_vocab: int = 64, bias_scale: float = 0.0, name: str = "",
+              **norms: bool):
     torch.manual_seed(1)
     draft = EagleDraft(eagle_config_for(model, method, draft_vocab_size=draft_vocab if method == "eagle3" else 0,
-                                        target_info=info))
+                                        target_info=info, **norms))
     with torch.no_grad():
         for p in draft.parameters():  # trained-looking weights: norms away from 1, biases away from 0
             p.add_(0.05 * torch.randn_like(p))
@@ -134,6 +135,24 @@ def test_eagle3_speculators_config(tmp_path):
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["attention_bias"] is True
     assert set(tensors) == VLLM_EAGLE3 | QWEN2_BIASES | {"t2d"}
+
+
+@pytest.mark.parametrize("norms", [dict(norm_before_fc=True, norm_before_residual=True, norm_output=True),
+                                   dict(norm_before_fc=False, norm_before_residual=True, norm_output=False)])
+def test_eagle3_norm_flags_written_for_vllm(tmp_path, norms):
+    """vLLM 0.32's llama_eagle3.py reads norm_before_fc / norm_before_residual / norm_output from the top level of
+    either format's config and loads `input_norm.weight`; SGLang exports of such drafts are refused."""
+    model, info = make_target("llama")
+    src, draft = eagle_dir(tmp_path, model, info, "eagle3", **norms)
+    extra = {"input_norm.weight"} if norms["norm_before_fc"] else set()
+    for fmt, expected in (("vllm", VLLM_EAGLE3 | extra), ("speculators", VLLM_EAGLE3 | extra | {"t2d"})):
+        config, tensors = read(export_heads(src, tmp_path / fmt, fmt))
+        assert {n: config[n] for n in norms} == norms
+        assert set(tensors) == expected
+        if extra:
+            assert torch.equal(tensors["input_norm.weight"], draft.input_norm.weight)
+    with pytest.raises(ExportError, match="norm_before_residual"):
+        export_heads(src, tmp_path / "sglang", "sglang")
 
 
 def test_eagle1_fc_bias_fold_is_exact_in_fp32(tmp_path):

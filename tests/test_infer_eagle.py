@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from heads.eagle import EagleDraft, eagle_config_for
+from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
 from heads.target import fingerprint
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.decode import speculative_generate
@@ -20,16 +20,19 @@ VOCAB = 128
 
 
 def make_draft(model, method: str, seed: int = 0, vocab: int = VOCAB) -> EagleDraft:
+    """method "eagle3-norms": EAGLE-3 with all three norm flags (heads/eagle.py) on."""
     torch.manual_seed(seed)
+    norms = dict.fromkeys(NORM_FLAGS, True) if method == "eagle3-norms" else {}
+    method = method.split("-")[0]
     draft = EagleDraft(eagle_config_for(model, method, draft_vocab_size=vocab // 2 if method == "eagle3" else 0,
-                                        target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
+                                        target_info={"name": "tiny", "fingerprint": fingerprint(model)}, **norms))
     if method == "eagle3":
         draft.set_draft_vocab(torch.arange(1, vocab, 2))  # odd target ids only
     return draft.eval()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-norms"])
 def test_greedy_output_equals_generate(model_type, method):
     model = tiny_model(model_type, num_hidden_layers=4, seed=3)
     draft = make_draft(model, method)
@@ -90,7 +93,7 @@ def _chain_outputs(draft: EagleDraft, model, context: list[int], taps: torch.Ten
     return torch.stack(result)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "eagle3-norms"])
 def test_tree_nodes_see_exactly_their_ancestors(method):
     model = tiny_model("llama", num_hidden_layers=4, seed=1)
     draft = make_draft(model, method, seed=2)

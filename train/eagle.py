@@ -58,7 +58,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
+from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import DataError, collate, pad_features, shifted_labels, supervised_token_counts
@@ -82,6 +82,10 @@ class EagleTrainConfig(TrainRunConfig):
     feature_loss_weight: float = 1.0  # eagle: SmoothL1(f_hat, f) weight
     prob_loss_weight: float = 0.1  # eagle: soft cross-entropy weight (eagle3 uses soft CE alone, weight 1)
     init_layer_from_target: bool = False  # start the decoder layer from the target's last layer (matching shapes)
+    # eagle3's optional RMSNorms (heads/eagle.py); None: eagle3 DEFAULT_NORMS, eagle off (EAGLE-1 has none)
+    norm_before_fc: Optional[bool] = None  # one RMSNorm over the concatenated taps before fc
+    norm_before_residual: Optional[bool] = None  # the residual around the attention is hidden_norm(feature)
+    norm_output: Optional[bool] = None  # feed norm(output) back as the next step's feature
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
     # features on disk (feature_cache keeps them in memory instead)
     feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
@@ -91,6 +95,10 @@ class EagleTrainConfig(TrainRunConfig):
     # optimiser
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
+
+
+# eagle3 with the norm flags unset: the original draft, until a held-out comparison in headstart's trainer picks others
+DEFAULT_NORMS = {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False}
 
 
 def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
@@ -105,12 +113,16 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     eagle3 = cfg.method == "eagle3"
     ttt = cfg.ttt_steps if cfg.ttt_steps is not None else (7 if eagle3 else 1)
     noise = cfg.feature_noise if cfg.feature_noise is not None else (0.0 if eagle3 else 0.1)
+    norms = {n: getattr(cfg, n) if getattr(cfg, n) is not None else eagle3 and DEFAULT_NORMS[n] for n in NORM_FLAGS}
+    if not eagle3 and any(norms.values()):
+        raise ConfigError(f"{', '.join(n for n in NORM_FLAGS if norms[n])}: EAGLE-3 draft options; set them false or "
+                          "use method: eagle3")
     if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
     resolve_dtype(cfg.dtype if cfg.dtype != "auto" else "float32")
     if cfg.feature_cache_dtype != "auto":
         resolve_dtype(cfg.feature_cache_dtype)
-    return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt))
+    return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt), **norms)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -508,7 +520,8 @@ def build_draft(run: Run, cfg: EagleTrainConfig) -> EagleDraft:
     """The draft for the target: its config (feature taps checked), draft vocabulary, initialisation."""
     target, info = run.target, run.info
     try:
-        draft_config = eagle_config_for(target, cfg.method, cfg.draft_vocab_size, cfg.feature_layers, info)
+        draft_config = eagle_config_for(target, cfg.method, cfg.draft_vocab_size, cfg.feature_layers, info,
+                                        **{n: getattr(cfg, n) for n in NORM_FLAGS})
     except ValueError as err:
         raise ConfigError(str(err)) from err
     L = info.num_hidden_layers
