@@ -206,7 +206,7 @@ class PackedDecoder:
                     positions += range(len(prompt))
                     token_slots += [row.slot] * len(prompt)
                     last.append(len(ids) - 1)
-                step = _Step(torch.tensor(token_slots), torch.tensor(positions), segments, dummy=len(ids) == 1,
+                step = _Step(torch.tensor(token_slots, device=self.device), torch.tensor(positions, device=self.device), segments, dummy=len(ids) == 1,
                              cache_slots=slots, capacity=capacity, cache=cache)
                 rows = live + admitted
                 picked = self._pick(self._forward(step, ids, positions, last), rows)
