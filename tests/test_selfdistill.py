@@ -70,7 +70,7 @@ def test_loss_mask_llama3_style_template(tiny_target_dir, tmp_path):
     eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id=str(i), turns=["hello there", "tell me a story"]) for i in range(3)]
     cfg = tiny_cfg(tiny_target_dir, "", tmp_path)
-    records, skipped, generated = distill_batch(HFEngine(model, tokenizer.pad_token_id, cfg, eos), tokenizer, rows, cfg, eos, 0)
+    records, skipped, generated = distill_batch(HFEngine(model, cfg, eos), tokenizer, rows, cfg, eos, 0)
     check_mask_matches_answers(tokenizer, records, eos)
     assert generated == sum(r["num_generated"] for r in records)
     # user turns and template tokens are never supervised
@@ -85,7 +85,7 @@ def test_loss_mask_smollm2_template_on_embedded_target(embedded_target, tmp_path
     eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id="a", turns=["Hi! How are you?", "What is your name?"]), PromptRow(id="b", turns=["Say hello."])]
     cfg = SelfDistillConfig(max_new_tokens=24, batch_size=2)
-    records, _, _ = distill_batch(HFEngine(model, tokenizer.pad_token_id, cfg, eos), tokenizer, rows, cfg, eos, 0)
+    records, _, _ = distill_batch(HFEngine(model, cfg, eos), tokenizer, rows, cfg, eos, 0)
     check_mask_matches_answers(tokenizer, records, eos, same_tokens=True)
     assert any(r["loss_mask"][-2] == 1 and r["input_ids"][-2] in eos for r in records)  # a real EOS kept
 

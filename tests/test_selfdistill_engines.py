@@ -104,7 +104,9 @@ def test_rerun_after_restarting_the_only_server_completes_the_same_rows(tiny_tar
     dying, url = start_server_process(tiny_target_dir, die_after=10)
     try:
         with pytest.raises(EngineError, match="every server failed.*rerun the same command"):
-            run_selfdistill(tiny_cfg(tiny_target_dir, prompts, out, backend="openai", server_url=[url]))
+            # one batch per engine call, so the batches finished before the server died are on disk
+            run_selfdistill(tiny_cfg(tiny_target_dir, prompts, out, backend="openai", server_url=[url],
+                                     prompts_per_call=3))
         assert dying.wait(timeout=5) == -signal.SIGKILL
     finally:
         dying.kill()

@@ -1,13 +1,13 @@
 """Generation engines for self-distillation: token ids in, the target's generated token ids out.
 
     engine = make_engine(cfg, model, tokenizer, eos_ids)
-    answers = engine.generate([[1, 2, 3], [1, 4]], seed=7)   # -> [[5, 6, 2], [9, 9, 9, 9]]
+    answers = engine.generate([[1, 2, 3], [1, 4]], seeds=[7, 8])   # -> [[5, 6, 2], [9, 9, 9, 9]]
 
 Every engine takes prompts rendered locally by heads/chat.py and returns the tokens the target wrote, ending with
 its stop token when it wrote one; train/selfdistill.py builds the rows (input_ids, loss_mask) from those ids, the
 same way for every backend.
 
-- `hf`: transformers `generate` in this process (left-padded batches, one seed per call).
+- `hf`: the transformers model in this process, continuous batching over packed rows (train/packed_decode.py).
 - `vllm`: a `vllm.LLM` in this process, all prompts of a call submitted at once; `tensor_parallel_size` GPUs per
   engine. Data parallel = several processes (`accelerate launch --num_processes N`), each its own engine on GPUs
   of its own.
@@ -16,7 +16,8 @@ same way for every backend.
   `return_token_ids`; a failed request is retried with backoff on the least loaded live server, and a server that
   fails `max_retries` times in a row is dropped for the run (its prompts go to the others).
 
-Sampling seeds: `hf` seeds torch once per call; `vllm` / `openai` give prompt j of a call the seed `seed * 65536 + j`.
+Sampling seeds: one per prompt (train/selfdistill.py gives prompt j of batch k at turn t
+`request_seed(seed + 1000 * k + t, j)`); `hf` draws each prompt's tokens from a generator of its own seed.
 """
 
 from __future__ import annotations
@@ -33,9 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
-
 from heads.target import EMBEDDED_ALIAS, embedded_local_dir
+from train.packed_decode import PackedDecoder
 
 BACKENDS = ("hf", "vllm", "openai")
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x ** 2  # café, 東京, 🙂"
@@ -55,28 +55,21 @@ def request_seed(seed: int, j: int) -> int:
 
 
 class HFEngine:
-    def __init__(self, model, pad_id: int, cfg, eos_ids: set[int]):
+    """transformers in this process, continuous batching over packed rows (train/packed_decode.py): up to
+    `cfg.hf_rows` conversations decoded together, a finished one replaced by the next prompt; a row's tokens do not
+    depend on the other rows in fp32 on the CPU."""
+
+    def __init__(self, model, cfg, eos_ids: set[int]):
         self.model = model
-        self.pad_id = pad_id
-        self.generation = GenerationConfig(
-            max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0, pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids), **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": 0}
-                                            if cfg.temperature > 0 else {}),
-        )
+        self.decoder = PackedDecoder(model, cfg.max_new_tokens, eos_ids, max_rows=cfg.hf_rows,
+                                     temperature=cfg.temperature, top_p=cfg.top_p)
 
     def describe(self) -> dict:
-        return {"backend": "hf", "device": str(self.model.device)}
+        return {"backend": "hf", "device": str(self.model.device), "decoding": "packed",
+                "batch_invariant": self.decoder.batch_invariant}
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        width = max(len(p) for p in prompts)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])  # (B, W), left padding
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, W)
-        torch.manual_seed(seed)  # the same draws on any rerun
-        out = self.model.generate(input_ids=input_ids.to(self.model.device),
-                                  attention_mask=attention_mask.to(self.model.device),
-                                  generation_config=self.generation)  # (B, W + new)
-        return [row[width:].tolist() for row in out]
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        return self.decoder.generate(prompts, seeds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,11 +116,11 @@ class VLLMEngine:
                 "tensor_parallel_size": self.cfg.tensor_parallel_size,
                 "gpu_memory_utilization": self.cfg.gpu_memory_utilization}
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
         params = [self.vllm.SamplingParams(max_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
-                                           top_p=self.cfg.top_p, seed=request_seed(seed, j),
-                                           stop_token_ids=self.eos_ids, detokenize=False)
-                  for j in range(len(prompts))]
+                                           top_p=self.cfg.top_p, seed=seed, stop_token_ids=self.eos_ids,
+                                           detokenize=False)
+                  for seed in seeds]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -305,8 +298,8 @@ class OpenAIEngine:
                 server.failures = 0
             return list(choice["token_ids"])
 
-    def generate(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
-        futures = [self.pool.submit(self._one, p, request_seed(seed, j)) for j, p in enumerate(prompts)]
+    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        futures = [self.pool.submit(self._one, p, seed) for p, seed in zip(prompts, seeds)]
         try:
             return [f.result() for f in futures]
         finally:
@@ -317,7 +310,7 @@ class OpenAIEngine:
 def make_engine(cfg, model, tokenizer, eos_ids: set[int], local_index: int = 0, num_local: int = 1):
     """The engine for cfg.backend; `model` is used by hf only."""
     if cfg.backend == "hf":
-        return HFEngine(model, tokenizer.pad_token_id, cfg, eos_ids)
+        return HFEngine(model, cfg, eos_ids)
     if cfg.backend == "vllm":
         return VLLMEngine(cfg, eos_ids, local_index, num_local)
     if cfg.backend == "openai":

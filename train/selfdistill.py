@@ -50,7 +50,7 @@ from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target
 from train.config import ConfigError, parse_config
 from train.data import DataError
-from train.engines import BACKENDS, make_engine
+from train.engines import BACKENDS, make_engine, request_seed
 
 # settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
 # and in-flight counts do not change them)
@@ -68,7 +68,9 @@ class SelfDistillConfig:
     max_turns: int = 2  # user turns answered per conversation
     max_new_tokens: int = 128  # per answer
     max_length: int = 1024  # tokens per conversation: a turn whose prompt + max_new_tokens exceeds it is not asked
-    batch_size: int = 8
+    batch_size: int = 8  # prompts per parts file (and per sampling-seed group); the hf engine's rows do not depend on it
+    prompts_per_call: int = 256  # prompts handed to the engine at once (whole batches); does not change the rows
+    hf_rows: int = 64  # hf: conversations decoded together (continuous batching); does not change the rows
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
@@ -127,37 +129,44 @@ def render_with_mask(
 
 
 # ---------------------------------------------------------------------------------------------
-# one batch of conversations, turn by turn
+# batches of conversations, turn by turn
 
 
-def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
-                  batch_index: int) -> tuple[list[dict], collections.Counter, int]:
-    """Answer up to max_turns user turns of each conversation through `engine` (train/engines.py).
-    Returns (records, skip counts, tokens generated)."""
-    skipped: collections.Counter = collections.Counter()
+def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg: SelfDistillConfig,
+                    eos_ids: set[int]) -> dict[int, tuple[list[dict], collections.Counter, int]]:
+    """Answer up to max_turns user turns of each conversation of several batches (batch index -> its rows) through
+    `engine` (train/engines.py): one engine call per turn for all of them. Prompt j asked of batch k at turn t gets
+    the seed request_seed(cfg.seed + 1000 * k + t, j), so a batch's rows do not depend on the batches beside it.
+    Returns, per batch index, (records, skip counts, tokens generated)."""
+    convs = [(k, i, row) for k, rows in batches.items() for i, row in enumerate(rows)]  # every conversation
+    skipped = {k: collections.Counter() for k in batches}
     messages: list[list[dict]] = []
-    for row in rows:
+    for _, _, row in convs:
         system = row.system if row.system is not None else cfg.system_prompt
         messages.append([{"role": "system", "content": system}] if system else [])
-    ended_with_eos: list[list[bool]] = [[] for _ in rows]
-    generated_counts = [0] * len(rows)
-    stopped = [False] * len(rows)
+    ended_with_eos: list[list[bool]] = [[] for _ in convs]
+    generated_counts = [0] * len(convs)
+    stopped = [False] * len(convs)
     for turn in range(cfg.max_turns):
-        active, prompts = [], []
-        for i, row in enumerate(rows):
-            if stopped[i] or turn >= len(row.turns):
+        active, prompts, seeds = [], [], []
+        asked = collections.Counter()  # prompts asked of each batch this turn
+        for c, (k, _, row) in enumerate(convs):
+            if stopped[c] or turn >= len(row.turns):
                 continue
-            ids = render_chat(tokenizer, messages[i] + [{"role": "user", "content": row.turns[turn]}], True)
+            ids = render_chat(tokenizer, messages[c] + [{"role": "user", "content": row.turns[turn]}], True)
             if len(ids) + cfg.max_new_tokens > cfg.max_length:
-                skipped["prompt_too_long" if turn == 0 else "turns_cut_by_max_length"] += 1
-                stopped[i] = True
+                skipped[k]["prompt_too_long" if turn == 0 else "turns_cut_by_max_length"] += 1
+                stopped[c] = True
                 continue
-            active.append(i)
+            active.append(c)
             prompts.append(ids)
+            seeds.append(request_seed(cfg.seed + 1000 * k + turn, asked[k]))  # the same draws on any rerun
+            asked[k] += 1
         if not active:
             break
-        answers = engine.generate(prompts, seed=cfg.seed + 1000 * batch_index + turn)  # the same draws on any rerun
-        for new, i in zip(answers, active):
+        answers = engine.generate(prompts, seeds)
+        for new, c in zip(answers, active):
+            k, _, row = convs[c]
             ended = False
             for j, token in enumerate(new):
                 if token in eos_ids:
@@ -165,26 +174,34 @@ def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConf
                     break
             answer = tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=True).strip()
             if not answer:
-                skipped["empty_answer"] += 1
-                stopped[i] = True
+                skipped[k]["empty_answer"] += 1
+                stopped[c] = True
                 continue
             if not ended:
-                skipped["answers_cut_by_max_new_tokens"] += 1  # counted, kept: the target wrote these tokens
-            messages[i] += [{"role": "user", "content": rows[i].turns[turn]}, {"role": "assistant", "content": answer}]
-            ended_with_eos[i].append(ended)
-            generated_counts[i] += len(new)
-    records = []
-    for i, row in enumerate(rows):
-        if not ended_with_eos[i]:
+                skipped[k]["answers_cut_by_max_new_tokens"] += 1  # counted, kept: the target wrote these tokens
+            messages[c] += [{"role": "user", "content": row.turns[turn]}, {"role": "assistant", "content": answer}]
+            ended_with_eos[c].append(ended)
+            generated_counts[c] += len(new)
+    records: dict[int, list[dict]] = {k: [] for k in batches}
+    generated: collections.Counter = collections.Counter()
+    for c, (k, i, row) in enumerate(convs):
+        generated[k] += generated_counts[c]
+        if not ended_with_eos[c]:
             continue  # no answered turn (its reason is counted above)
         try:
-            input_ids, loss_mask = render_with_mask(tokenizer, messages[i], ended_with_eos[i], eos_ids)
+            input_ids, loss_mask = render_with_mask(tokenizer, messages[c], ended_with_eos[c], eos_ids)
         except ValueError:
-            skipped["answer_not_found_in_render"] += 1
+            skipped[k]["answer_not_found_in_render"] += 1
             continue
-        records.append({"batch_position": i, "id": row.id, "category": row.category, "conversation": messages[i], "input_ids": input_ids,
-                        "loss_mask": loss_mask, "num_generated": generated_counts[i]})
-    return records, skipped, sum(generated_counts)
+        records[k].append({"batch_position": i, "id": row.id, "category": row.category, "conversation": messages[c],
+                           "input_ids": input_ids, "loss_mask": loss_mask, "num_generated": generated_counts[c]})
+    return {k: (records[k], skipped[k], generated[k]) for k in batches}
+
+
+def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
+                  batch_index: int) -> tuple[list[dict], collections.Counter, int]:
+    """distill_batches for one batch: (records, skip counts, tokens generated)."""
+    return distill_batches(engine, tokenizer, {batch_index: rows}, cfg, eos_ids)[batch_index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,16 +338,23 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     todo = [k for k in mine if not (parts_dir / f"batch_{k:06d}.json").is_file()]
     if len(todo) < len(mine):
         accelerator.print(f"resuming: {len(mine) - len(todo)} of {len(mine)} batches already done")
-    bar = tqdm(todo, desc=f"self-distill [{accelerator.process_index}]", disable=not accelerator.is_local_main_process)
+    # the engine gets several batches per call (prompts_per_call), so continuous batching keeps its rows full; the
+    # rows do not depend on the grouping
+    per_call = max(1, cfg.prompts_per_call // cfg.batch_size)
+    groups = [todo[s: s + per_call] for s in range(0, len(todo), per_call)]
+    bar = tqdm(total=len(todo), desc=f"self-distill [{accelerator.process_index}]",
+               disable=not accelerator.is_local_main_process)
     start, tokens = time.perf_counter(), 0
-    for k in bar:
-        rows = [source.rows[i] for i in batches[k]]
-        records, skipped, generated = distill_batch(engine, tokenizer, rows, cfg, eos_ids, k)
-        for record in records:
-            record["source_index"] = batches[k][record.pop("batch_position")]
-        _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
-                                                              "generated_tokens": generated})
-        tokens += generated
+    for group in groups:
+        results = distill_batches(engine, tokenizer, {k: [source.rows[i] for i in batches[k]] for k in group}, cfg,
+                                  eos_ids)
+        for k, (records, skipped, generated) in results.items():
+            for record in records:
+                record["source_index"] = batches[k][record.pop("batch_position")]
+            _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
+                                                                  "generated_tokens": generated})
+            tokens += generated
+        bar.update(len(group))
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     elapsed = time.perf_counter() - start
     accelerator.wait_for_everyone()

@@ -1,0 +1,91 @@
+"""The hf engine's packed decoding (train/packed_decode.py): the same answers as transformers `generate`, and a row's
+tokens independent of the rows decoded beside it."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from heads.chat import render_chat, stop_token_ids
+from inference.cpu_linear import linear_kernel
+from test_selfdistill import read_rows, tiny_cfg, write_prompts
+from train.bench_selfdistill import generate_padded
+from train.packed_decode import PackedDecoder
+from train.selfdistill import run_selfdistill
+
+STOP = {3}
+
+
+def tiny_prompts(n: int, vocab: int = 128) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(4, vocab, (int(torch.randint(2, 30, (1,), generator=generator)),),
+                          generator=generator).tolist() for _ in range(n)]
+
+
+def peaked_tiny_model():
+    """A tiny random Llama whose logits have clear margins (lm_head scaled), so rounding never decides a token and
+    `generate` is a fair reference for a different but exact computation."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200.0)
+    return model
+
+
+def test_answers_do_not_depend_on_rows_beside_them(one_thread):
+    # an unscaled random model: near-ties everywhere, so any rounding that depended on the batch would show
+    model = tiny_model("llama")
+    prompts = tiny_prompts(10)
+    decoder = PackedDecoder(model, max_new_tokens=20, stop_ids=STOP, max_rows=1)
+    alone = decoder.generate(prompts, seeds=list(range(10)))
+    for max_rows in (2, 3, 10):
+        decoder.max_rows = max_rows
+        assert decoder.generate(prompts, seeds=list(range(10))) == alone
+    assert decoder.generate(prompts[3:5], seeds=[3, 4]) == alone[3:5]
+    torch.set_num_threads(2)
+    assert decoder.generate(prompts, seeds=list(range(10))) == alone
+
+
+def test_sampled_answers_follow_each_prompts_own_seed(one_thread):
+    model = tiny_model("llama")
+    prompts = tiny_prompts(6)
+    decoder = PackedDecoder(model, max_new_tokens=16, stop_ids=STOP, max_rows=6, temperature=0.9, top_p=0.9)
+    together = decoder.generate(prompts, seeds=[10, 11, 12, 13, 14, 15])
+    decoder.max_rows = 2
+    assert decoder.generate(prompts, seeds=[10, 11, 12, 13, 14, 15]) == together
+    assert decoder.generate(prompts[4:], seeds=[14, 15]) == together[4:]
+    assert decoder.generate(prompts, seeds=[20, 11, 12, 13, 14, 15])[0] != together[0]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_answers_equal_transformers_generate_on_a_tiny_model(batch_size, one_thread):
+    model = peaked_tiny_model()
+    prompts = tiny_prompts(8)
+    unstopped = generate_padded(model, prompts, pad_id=0, stop_ids=set(), max_new_tokens=24, batch_size=1)
+    stop = {unstopped[0][6]}  # a token the model writes: some answers end on it
+    expected = generate_padded(model, prompts, pad_id=0, stop_ids=stop, max_new_tokens=24, batch_size=batch_size)
+    assert any(len(a) < 24 for a in expected) and any(len(a) == 24 for a in expected)  # both ways of ending
+    decoder = PackedDecoder(model, max_new_tokens=24, stop_ids=stop, max_rows=3)
+    assert decoder.generate(prompts, seeds=[0] * 8) == expected
+    # the model is as it was: its own linear layers and attention back in place
+    assert linear_kernel(model) == "default" and model.config._attn_implementation == "sdpa"
+
+
+def test_answers_equal_transformers_generate_on_embedded_target(embedded_target, one_thread):
+    model, tokenizer, _ = embedded_target
+    stop = set(stop_token_ids(tokenizer, model.generation_config))
+    turns = ["Hi! How are you?", "Write a haiku about the sea.", "def fib(n):", "What is the capital of France?",
+             "List three colours."]
+    prompts = [render_chat(tokenizer, [{"role": "user", "content": t}], True) for t in turns]
+    expected = generate_padded(model, prompts, tokenizer.pad_token_id, stop, max_new_tokens=32, batch_size=5)
+    decoder = PackedDecoder(model, max_new_tokens=32, stop_ids=stop, max_rows=2)
+    assert decoder.batch_invariant
+    assert decoder.generate(prompts, seeds=[0] * 5) == expected
+
+
+def test_rows_do_not_depend_on_prompts_per_call_or_hf_rows(tiny_target_dir, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", 7)
+    run_selfdistill(tiny_cfg(tiny_target_dir, prompts, tmp_path / "a"))  # every batch in one engine call
+    run_selfdistill(tiny_cfg(tiny_target_dir, prompts, tmp_path / "b", prompts_per_call=1, hf_rows=2))
+    a, meta = read_rows(tmp_path / "a")
+    b, _ = read_rows(tmp_path / "b")
+    assert a == b and len(a) == 7
+    assert meta["engine"]["decoding"] == "packed" and meta["engine"]["batch_invariant"]
