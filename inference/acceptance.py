@@ -35,16 +35,24 @@ def pick_per_category(rows: list, per_category: int) -> list:
 
 
 def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool) -> dict:
-    """{category: {"tau", "prompts", "tokens", "forwards"}} plus "all", from greedy decoding of each row's first turn."""
+    """{category: {"tau", "prompts", "tokens", "forwards"}} plus "all", from greedy decoding of each row's first turn.
+    A prompt longer than the target's context (max_position_embeddings less max_new_tokens) is skipped and counted
+    ("skipped_too_long")."""
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    context = getattr(spec.model.config, "max_position_embeddings", None)
     for row in rows:
         ids = prompt_ids(spec.tokenizer, row.turns[0], row.system)
+        if context is not None and len(ids) + max_new_tokens > context:
+            for key in (row.category or "other", "all"):
+                sums[key]["skipped_too_long"] += 1
+            continue
         stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup).stats
         for key in (row.category or "other", "all"):
             sums[key]["prompts"] += 1
             sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's
             sums[key]["forwards"] += stats.decode_forwards
-    return {key: {**counts, "tau": round(counts["tokens"] / max(counts["forwards"], 1), 3)} for key, counts in sums.items()}
+    return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None}
+            for key, counts in sums.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|" + "---|" * len(categories))
     for heads, by_mode in results.items():
         for mode, by in by_mode.items():
-            print(f"| {heads} | {mode.split()[1]} | " + " | ".join(f"{by[c]['tau']:.2f}" if c in by else "-"
-                                                                   for c in categories) + " |")
+            print(f"| {heads} | {mode.split()[1]} | " + " | ".join(
+                f"{by[c]['tau']:.2f}" if by.get(c, {}).get("tau") is not None else "-" for c in categories) + " |")
     if args.output:
         Path(args.output).write_text(json.dumps({"prompts": args.prompts, "per_category": args.per_category,
                                                  "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))

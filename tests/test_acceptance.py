@@ -20,6 +20,7 @@ ROWS = [
     {"id": "c1", "category": "code", "turns": ["def add(a, b):\n    return a + b"]},
     {"id": "a2", "category": "chat", "turns": ["Tell me a story about a dragon and a knight."]},
     {"id": "a3", "category": "chat", "turns": ["The quick brown fox jumps over the lazy dog."]},
+    {"id": "l1", "category": "long", "turns": ["word " * 2000]},  # longer than the tiny target's 1024 positions
 ]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_pick_per_category_keeps_source_order():
     rows = [PromptRow(id=r["id"], turns=r["turns"], category=r["category"]) for r in ROWS]
-    assert [r.id for r in pick_per_category(rows, 2)] == ["a1", "c1", "a2"]
+    assert [r.id for r in pick_per_category(rows, 2)] == ["a1", "c1", "a2", "l1"]
 
 
 def test_tau_per_family_matches_the_speculator(tiny_target_dir, tmp_path, capsys):
@@ -50,8 +51,10 @@ def test_tau_per_family_matches_the_speculator(tiny_target_dir, tmp_path, capsys
             assert results[mode][family]["prompts"] == (2 if family == "chat" else 1)
             assert results[mode][family]["tau"] == round(tokens[family] / forwards[family], 3)
         assert results[mode]["all"]["tau"] == round(sum(tokens.values()) / sum(forwards.values()), 3)
+        assert results[mode]["long"] == {"skipped_too_long": 1, "tau": None}
+        assert results[mode]["all"]["skipped_too_long"] == 1
     table = capsys.readouterr().out
-    assert "| heads | lookup | chat | code | all |" in table
+    assert "| heads | lookup | chat | code | long | all |" in table and "| - |" in table  # long: skipped
 
 
 def test_errors_exit_2(tmp_path, capsys):
