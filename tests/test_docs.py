@@ -128,6 +128,9 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         return args + ["--target", target, "--repeats", "2"]
     if module == "inference.acceptance":
         return args + ["--per_category", "1", "--max_new_tokens", "8"]
+    if module == "train.bench_selfdistill":
+        return args + ["--target", target, "--num_prompts", "4", "--max_new_tokens", "8", "--batch_sizes", "2",
+                       "--repeats", "1"]
     if module == "scripts.demo":  # its stages in subprocesses, one process each, reduced as above
         train = reduce_args("train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
         return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_prompts", "2",
@@ -195,6 +198,8 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert (out / "results.json").is_file() and (out / "results.md").is_file()
     elif module == "inference.generate":
         assert "tau" in printed
+    elif module == "train.bench_selfdistill":
+        assert "method    batch  tok/s" in printed and "packed" in printed and "generate" in printed
     elif module == "inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "scripts.demo":
