@@ -148,12 +148,13 @@ def target_probs(hidden: torch.Tensor, union: torch.Tensor, lm_head_weight: torc
     the label position is past the row's end)."""
     B, T, _ = hidden.shape
     rows, cols = union.nonzero(as_tuple=True)  # [N]
-    probs = []
-    for k in range(num_heads):
-        at = (cols + k + 1).clamp(max=T - 1)  # head k's label is token t + k + 2, predicted by the target at t + k + 1
-        logits = hidden[rows, at].float() @ lm_head_weight.float().t()  # [N, V']
-        probs.append(torch.softmax(logits, -1) * (cols + k + 1 < T)[:, None])
-    return torch.stack(probs)
+    at = torch.stack([(cols + k + 1).clamp(max=T - 1) for k in range(num_heads)])  # [K, N]: head k's label is t+k+2
+    needed = torch.zeros(B, T, dtype=torch.bool, device=hidden.device)
+    needed[rows.expand_as(at), at] = True  # each position's distribution computed once, shared by the heads
+    slot = needed.flatten().cumsum(0).view(B, T) - 1  # position -> its row of `probs`
+    probs = torch.softmax(hidden[needed].float() @ lm_head_weight.float().t(), -1)  # [M, V']
+    inside = torch.stack([cols + k + 1 < T for k in range(num_heads)])  # [K, N]
+    return probs[slot[rows.expand_as(at), at]] * inside[..., None]
 
 
 def weighted_head_ce(head_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor,
