@@ -3,15 +3,18 @@
     python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
         [--tree auto|default|PATH|CHOICES] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
-        [--target NAME_OR_PATH] [--threads N]
+        [--adaptive on|off|both] [--target NAME_OR_PATH] [--threads N]
 
 Every heads directory must belong to the same target (checked by the weight fingerprint recorded in
 its config.json); the target is loaded once and shared. Each prompt is the row's first user turn
 (with the row's system message, if any) rendered with the target's chat template. For every prompt the
 methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1, heads 1 +lookup, heads 2, ...),
-after one uncounted warm-up round on the first prompt. "+lookup" rows are the same heads with chains found in the
-context verified instead of the heads' tree when the context ends in a repeated n-gram (inference/lookup.py, the
-Speculator's default); rows without it are the heads alone. "prompt_lookup" is HF's prompt-lookup decoding.
+after one uncounted warm-up round on the first prompt. Heads rows draft adaptively (the Speculator's default,
+inference/adapt.py): each step verifies a plain step, a heads tree, branches found in the context, or both merged,
+whichever this generation's acceptance so far says pays most; "+lookup" rows may use the context, rows without it
+are the heads alone (plain steps where they do not pay); "... fixed" rows (--adaptive both/off) verify the fixed
+tree every step, a context chain of its node count instead when the context repeats. "prompt_lookup" is HF's
+prompt-lookup decoding.
 "exact" rows verify each tree node with a one-token step's attention (inference/forward.py), the option that
 keeps half-precision greedy output plain greedy's.
 
@@ -25,6 +28,9 @@ Figures (defined here; the README's "Benchmark" section reports them):
              max; and a 95% interval of the overall speedup: the 2.5th and 97.5th percentiles (nearest rank) of the
              overall speedup over BOOTSTRAP_SAMPLES resamples of the prompts with replacement (seeded: reproducible)
   efficiency speedup / tau
+  vs best    per category: a method's speedup over the best speedup among the other methods (vanilla's 1.0
+             included)
+  choices    adaptive rows: share of decode steps per plan kind (plain / heads / lookup / both)
   time split draft / verify / other seconds: heads from the Speculator's stats (verify = target forwards incl.
              the prefill, acceptance and cache compaction); prompt-lookup: verify = time inside the target's
              forward calls, its n-gram lookup sits in "other"; vanilla: all verify
@@ -63,6 +69,7 @@ SCHEMA_VERSION = 1
 WARMUP_TOKENS = 32  # the warm-up round decodes at most this many tokens per method
 RESERVED_NAMES = ("vanilla", "prompt_lookup")
 LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
+FIXED_SUFFIX = " fixed"  # the heads' fixed tree every step (--adaptive both: beside the adaptive rows)
 BOOTSTRAP_SAMPLES = 2000  # resamples of the prompts for the speedup's 95% interval
 BOOTSTRAP_SEED = 0
 NEAR_TIE_ULPS = 4  # a mismatch is a near-tie when both runs' margins are within this many ulps of the top logit
@@ -237,6 +244,7 @@ class Run:
     step_s: float  # target forwards after it (heads: tree forwards + acceptance + cache compaction)
     accept_hist: list[int] = field(default_factory=list)
     lookup_steps: int = 0  # heads: steps that verified a chain from the context (inference/lookup.py)
+    proposals: dict[str, int] = field(default_factory=dict)  # adaptive heads: steps per plan kind (inference/adapt.py)
     mismatch: dict | None = None  # differs from vanilla: the near-tie analysis at the first difference (near_tie)
 
 
@@ -283,27 +291,30 @@ def hf_method(name: str, kind: str, model, meter: ForwardMeter, device: torch.de
 
 
 def heads_method(entry: HeadsEntry, spec, stops: Sequence[int], device: torch.device, lookup: bool,
-                 exact: bool = False) -> Method:
+                 exact: bool = False, adaptive: bool = True, suffix_fixed: bool = False) -> Method:
     """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py); exact: each
-    tree node verified with a one-token step's attention (inference/forward.py)."""
+    tree node verified with a one-token step's attention (inference/forward.py); adaptive: each step verifies
+    what inference/adapt.py's policy chooses (off: the fixed tree; rows '... fixed' when both are run)."""
     def run(ids: list[int], max_new_tokens: int) -> Run:
         sync(device)
         t0 = time.perf_counter()
-        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact)
+        out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact,
+                            adaptive=adaptive)
         sync(device)
         seconds = time.perf_counter() - t0
         s = out.stats
         return Run(list(out.tokens), seconds, s.decode_forwards, draft_s=s.draft_s, verify_s=s.verify_s + s.prefill_s,
                    prefill_s=s.prefill_s, step_s=s.verify_s, accept_hist=list(s.accept_hist),
-                   lookup_steps=s.lookup_steps)
+                   lookup_steps=s.lookup_steps, proposals=dict(s.proposals))
 
     def trace(ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
         out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact,
-                            keep_logits=True)
+                            keep_logits=True, adaptive=adaptive)
         return list(out.tokens), torch.stack(out.logits)  # [n, V]
 
-    name = entry.label + (LOOKUP_SUFFIX if lookup else "") + (EXACT_SUFFIX if exact else "")
-    info = {"heads_dir": str(entry.path), "lookup": lookup, "exact": exact,
+    name = (entry.label + (LOOKUP_SUFFIX if lookup else "") + (EXACT_SUFFIX if exact else "")
+            + (FIXED_SUFFIX if suffix_fixed and not adaptive else ""))
+    info = {"heads_dir": str(entry.path), "lookup": lookup, "exact": exact, "adaptive": adaptive,
             "draft_vocab_size": spec.heads.config.draft_vocab_size}
     if spec.is_eagle:
         dyn = spec.dynamic
@@ -440,7 +451,27 @@ def summarise(method: Method, runs: Sequence[Run], vanilla_runs: Sequence[Run], 
         "mismatches": mismatches, "near_ties": sum(1 for m in mismatches if (m["near_tie"] or {}).get("near_tie")),
         "accept_hist": hist if method.kind not in ("vanilla", "prompt_lookup") else None,
         "lookup_steps": sum(r.lookup_steps for r in runs) if method.info.get("lookup") else None,
+        "proposals": _shares(runs) if method.info.get("adaptive") else None,
     }
+
+
+def _shares(runs: Sequence[Run]) -> dict[str, float]:
+    """Share of decode steps per adaptive plan kind (plain / heads / lookup / both) over the runs."""
+    steps: dict[str, int] = {}
+    for r in runs:
+        for kind, count in r.proposals.items():
+            steps[kind] = steps.get(kind, 0) + count
+    total = sum(steps.values())
+    return {kind: steps[kind] / total for kind in sorted(steps)} if total else {}
+
+
+def versus_best_other(by_method: dict) -> dict[str, float | None]:
+    """Each method's speedup over the best speedup among the other methods (vanilla included: 1.0)."""
+    out: dict[str, float | None] = {}
+    for name, s in by_method.items():
+        others = [o["speedup"] for other, o in by_method.items() if other != name and o["speedup"] is not None]
+        out[name] = _ratio(s["speedup"], max(others)) if others else None
+    return out
 
 
 def summarise_all(methods: Sequence[Method], runs: dict[str, list[Run]], ids: Sequence[str],
@@ -541,6 +572,18 @@ def markdown(results: dict) -> str:
             cells = [f"{_fmt(by_method[n]['speedup'], 2, 'x')} [{_ci(by_method[n])}] ({_fmt(by_method[n]['tau'])})"
                      for n in names]
             lines.append(f"| {cat} | {by_method[names[0]]['prompts']} | " + " | ".join(cells) + " |")
+        lines += ["", "Per category: each method's speedup over the best of the other methods' (vanilla's 1.00x "
+                  "included)", "", "| category | " + " | ".join(names[1:]) + " |", "|---|" + "---:|" * len(names[1:])]
+        for cat, by_method in list(cats.items()) + [("all", results["methods"])]:
+            best = versus_best_other(by_method)
+            lines.append(f"| {cat} | " + " | ".join(_fmt(best[n], 2, "x") for n in names[1:]) + " |")
+    shares = [(name, s["proposals"]) for name, s in results["methods"].items() if s.get("proposals")]
+    if shares:
+        lines += ["", "Adaptive drafting: share of decode steps per choice (inference/adapt.py)", "",
+                  "| method | plain | heads | lookup | both |", "|---|---:|---:|---:|---:|"]
+        for name, share in shares:
+            lines.append(f"| {name} | " + " | ".join(_fmt(100 * share.get(k, 0.0), 0, "%")
+                                                     for k in ("plain", "heads", "lookup", "both")) + " |")
     lines += mismatch_table(results)
     if st["dtype"] != "float32":
         lines += ["", f"In {st['dtype']}, tree verification rounds differently from one-token steps, so some outputs may "
@@ -623,6 +666,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookup", choices=["off", "on", "both"], default="both",
                         help="heads alone (off), heads + chains drafted from the context (on, the Speculator's "
                              "default; rows named '... +lookup'), or both rows (default)")
+    parser.add_argument("--adaptive", choices=["off", "on", "both"], default="on",
+                        help="each step verifies what the heads' and lookup's acceptance so far says pays most "
+                             "(on, the Speculator's default; inference/adapt.py), the fixed tree (off), or both "
+                             "(fixed rows named '... fixed')")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice); "
                         "on a busy shared CPU 1 thread is much steadier (oversubscribed OpenMP threads spin)")
     parser.add_argument("--target", default=None, help="load this target instead of the one the heads name "
@@ -701,8 +748,9 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
                                  args.prompt_lookup_num_tokens))
     lookups = {"off": [False], "on": [True], "both": [False, True]}[args.lookup]
     exacts = {"off": [False], "on": [True], "both": [False, True]}[args.exact]
-    methods += [heads_method(e, s, stops, device, lookup, exact) for e, s in zip(entries, specs)
-                for lookup in lookups for exact in exacts]
+    adaptives = {"off": [False], "on": [True], "both": [True, False]}[args.adaptive]
+    methods += [heads_method(e, s, stops, device, lookup, exact, adaptive, args.adaptive == "both")
+                for e, s in zip(entries, specs) for lookup in lookups for exact in exacts for adaptive in adaptives]
     runs: dict[str, list[Run]] = {m.name: [] for m in methods}
     try:
         with plain_generation_config(model, stops, pad_id), torch.no_grad():
@@ -743,7 +791,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
         "skipped_prompts": skipped, "max_new_tokens": args.max_new_tokens,
         "tree": args.tree or "heads' tree.json, else default",
         "prompt_lookup_num_tokens": None if args.no_prompt_lookup else args.prompt_lookup_num_tokens,
-        "heads_lookup": args.lookup,
+        "heads_lookup": args.lookup, "adaptive": args.adaptive,
         "exact": args.exact,
         "rows_invariant": rows_invariant(model, max(s.tree_size for s in specs)) if args.exact != "off" else None,
         "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "order": [m.name for m in methods],

@@ -6,9 +6,10 @@ On a CPU a forward over a few more tokens costs more than one, so trees come out
 Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates
 each round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided
 by the 1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a
-spike in a minority of rounds moves no median. When the rounds disagree too much (the relative median absolute
-deviation of some size's ratios above `noise_limit`), the timings are flagged noisy and the choice falls back to a
-small default tree (`fallback_nodes` drafted nodes: on a CPU a verify of a few tokens costs about one step, see the
+spike in a minority of rounds moves no median. The medians are then fitted with one non-decreasing curve over all
+sizes (monotone_fit). When the rounds disagree too much overall (the median, over every size's samples, of their
+absolute deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not
+decide), the timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU a verify of a few tokens costs about one step, see the
 README's "Measured" table), never to plain decoding. So does a machine where other processes used more than
 BUSY_LIMIT CPU cores during the timings (from /proc/stat): a CPU hog beside a 2-thread timing slowed every size
 alike, 100x (threads wait for each other), so the rounds agreed and only the load told. `tree.json` records what
@@ -38,8 +39,8 @@ from inference.tree import DEFAULT_ACCURACY, DraftInput, best_choices, expected_
 
 TREE_FILE = "tree.json"
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # tree sizes timed; the small ones are the CPU's choices
-ROUNDS = 5  # rounds over all sizes; a median over 5 ignores spikes in up to 2 of them
-NOISE_LIMIT = 0.15  # above this relative median absolute deviation of a size's per-round ratios: too noisy
+ROUNDS = 9  # rounds over all sizes; a median over 9 ignores spikes in up to 4 of them
+NOISE_LIMIT = 0.15  # above this relative median absolute deviation of all sizes' per-round ratios: too noisy
 FALLBACK_NODES = 2  # drafted nodes of the tree used when timings are too noisy (a 3-node tree: cheap on a CPU too)
 NEAR_BEST = 0.05  # sizes within this fraction of the best expected tokens/s count as tied: the largest is chosen
 BUSY_LIMIT = 0.5  # CPU cores other processes used on average during the timings: above this, the machine is busy
@@ -54,6 +55,7 @@ class TreeCalibration:
     raw_step_ms: dict[int, float]  # the same before the fit
     step_ratio: dict[int, float]  # median over rounds of (size's ms / the 1-token step's ms in the same round)
     spread: dict[int, float]  # relative median absolute deviation of those per-round ratios
+    pooled_spread: float  # the same over every size's ratios at once (each relative to its size's median)
     samples_ms: dict[int, list[float]]  # every timing, by size, in round order
     draft_ms: float  # median draft ms of the chosen size (Medusa: all heads, one timing per round)
     draft_samples_ms: dict[int, list[float]]  # by tree size (EAGLE) or under 0 (Medusa's one draft)
@@ -76,7 +78,8 @@ class TreeCalibration:
             return (f"other processes used {self.other_cores:.1f} CPU cores during the tree timings (> {BUSY_LIMIT}): "
                     "they measured the machine's load, not the tree (rerun when it is quiet; --threads 1 helps)")
         worst = max(self.spread, key=self.spread.get)
-        return f"tree timings too noisy to trust (size {worst}: spread {self.spread[worst]:.2f} > {self.noise_limit})"
+        return (f"tree timings too noisy to trust (spread over all sizes {self.pooled_spread:.2f} > "
+                f"{self.noise_limit}; the worst size {worst}: {self.spread[worst]:.2f})")
 
     def to_json(self) -> dict:
         """tree.json's record: every field but choices_by_size, with string keys."""
@@ -226,6 +229,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     ratios = {size: [t / o for t, o in zip(samples[("step", size)], one)] for size in per_size_choices}
     step_ratio = {size: statistics.median(r) for size, r in ratios.items()}
     spread = {size: relative_mad(r) for size, r in ratios.items()}
+    deviations = [abs(x / step_ratio[size] - 1) for size, r in ratios.items() if size > 1 for x in r]
+    pooled_spread = statistics.median(deviations) if deviations else 0.0
     draft_ratio = {size: statistics.median(t / o for t, o in zip(samples[("draft", size)], one))
                    for kind, size in samples if kind == "draft"}
     one_ms = statistics.median(one)
@@ -235,7 +240,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
     busy = device.type == "cpu" and other_cores is not None and other_cores > BUSY_LIMIT
-    noisy = max(spread.values()) > noise_limit or busy
+    noisy = pooled_spread > noise_limit or busy
     if noisy:
         choices = best_choices(accuracy, fallback_nodes)
     else:  # the largest size near the best: see calibrate_tree's docstring
@@ -246,7 +251,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     return TreeCalibration(
         choices=choices, expected_accept_length=expected_accept_length(choices, accuracy),
         step_ms={s: one_ms * r for s, r in fitted.items()}, raw_step_ms={s: one_ms * r for s, r in step_ratio.items()},
-        step_ratio=step_ratio, spread=spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
+        step_ratio=step_ratio, spread=spread, pooled_spread=pooled_spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
         draft_ms=draft_ms, draft_samples_ms={s: t for (kind, s), t in samples.items() if kind == "draft"},
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,

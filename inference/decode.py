@@ -1,7 +1,8 @@
 """The decode loop: speculative decoding at batch 1, lossless unless typical acceptance is asked for.
 
 Each step is a ladder of small functions:
-    propose (a proposer drafts a tree of candidate tokens; or a chain found in the context, inference/lookup.py) ->
+    propose (a proposer drafts a tree of candidate tokens; or a chain found in the context, inference/lookup.py;
+             or, adaptive, what inference/adapt.py's policy expects to pay most: plain, heads, lookup or both) ->
     verify (one target forward over the whole tree, explicit 4D mask, inference/forward.py) ->
     accept (greedy / lossless sampling / typical, inference/verify.py) -> compact the KV cache to the accepted path.
 """
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from inference.adapt import AdaptivePolicy
 from inference.forward import compact_cache, target_forward
 from inference.lookup import LookupConfig, chain_draft, lookup_continuation
 from inference.tree import DraftInput, Proposer, Tree
@@ -32,6 +34,8 @@ class GenerateStats:
     lookup_steps: int = 0  # of those, steps that verified a chain found in the context instead of the heads' tree
     accept_hist: list[int] = field(default_factory=list)  # accept_hist[a] = steps that kept a drafted tokens
     tree_size: int = 0  # nodes of the last tree (root included)
+    proposals: dict[str, int] = field(default_factory=dict)  # adaptive: steps per plan kind (plain/heads/lookup/both)
+    step_sizes: dict[int, int] = field(default_factory=dict)  # adaptive: steps per verified tree size
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0  # target tree forward + acceptance + cache compaction
@@ -125,6 +129,7 @@ def speculative_generate(
     lookup: LookupConfig | None = None,
     exact: bool = False,
     keep_logits: bool = False,
+    policy: AdaptivePolicy | None = None,
 ) -> GenerateOutput:
     """Speculative decoding at batch 1. input_ids: [L] or [1, L]. Returns the new tokens and stats.
 
@@ -134,6 +139,8 @@ def speculative_generate(
     exact: verify each tree node with a one-token step's attention (inference/forward.py): greedy output stays
     plain greedy's in half precision where the device's matmul is row-invariant; slower.
     keep_logits: also return, per emitted token, the target's logits row that chose it (analysis, not timing).
+    policy: adaptive drafting (inference/adapt.py): each step verifies what the policy chooses (`lookup` unused);
+    the proposer then needs `resize(choices)`.
     """
     sampling = sampling or SamplingConfig()
     if sampling.acceptance not in ("auto", "typical"):
@@ -171,8 +178,19 @@ def speculative_generate(
 
     while not stopped and len(emitted) < max_new_tokens:
         t0 = time.perf_counter()
-        chain = lookup_continuation(context, lookup) if lookup is not None and lookup.num_tokens > 0 else []
-        if chain:
+        chain = lookup_continuation(context, lookup) if policy is None and lookup is not None \
+            and lookup.num_tokens > 0 else []
+        if policy is not None:
+            plan = policy.plan(context)
+            heads_tree = heads_tokens = None
+            if plan.heads_choices:
+                proposer.resize(plan.heads_choices)
+                heads_tree, heads_tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context,
+                                                               features=taps))
+                taps = None  # handed over
+            tree, tokens, keys = policy.build(plan, root, heads_tree, heads_tokens)
+            stats.lookup_steps += plan.lookup_depth > 0
+        elif chain:
             tree, tokens = chain_draft(root, chain)
             stats.lookup_steps += 1
         else:
@@ -188,6 +206,8 @@ def speculative_generate(
         path, bonus = _accept(tree, token_list, logits, sampling, generator)
         compact_cache(cache, prefix_len, path)
         t2 = time.perf_counter()
+        if policy is not None:
+            policy.observe(plan, tree, keys, path, 1000 * (t1 - t0), 1000 * (t2 - t1))
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.decode_forwards += 1
@@ -217,6 +237,9 @@ def speculative_generate(
         if on_tokens is not None and step_out:
             on_tokens(step_out)
 
+    if policy is not None:
+        stats.proposals = dict(policy.kinds)
+        stats.step_sizes = dict(sorted(policy.sizes.items()))
     stats.new_tokens = len(emitted)
     stats.total_s = time.perf_counter() - start
     return GenerateOutput(tokens=emitted, stats=stats, stopped=stopped, logits=kept)

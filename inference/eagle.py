@@ -32,6 +32,10 @@ class EagleProposer:
             if draft.is_eagle3 else None
         self.reset()
 
+    def resize(self, choices: list[list[int]]) -> None:
+        """Grow dynamic trees of these choices' node count, depth and width from now on (inference/adapt.py)."""
+        self.config = dynamic_config_from_choices(choices)
+
     def reset(self) -> None:
         self.cache = DynamicCache()
         self.committed = 0  # target cache positions whose pairs are in the draft cache

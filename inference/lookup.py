@@ -30,16 +30,32 @@ class LookupConfig:
 def lookup_continuation(context: list[int], config: LookupConfig) -> list[int]:
     """Up to num_tokens tokens that followed the latest earlier occurrence of the context's last n tokens, for the
     largest n in [min_ngram, max_ngram] that occurs; [] when none does."""
+    _, branches = lookup_branches(context, config.num_tokens, config.min_ngram, config.max_ngram, 1)
+    return branches[0] if branches else []
+
+
+def lookup_branches(context: list[int], num_tokens: int, min_ngram: int, max_ngram: int,
+                    max_matches: int) -> tuple[int, list[list[int]]]:
+    """(n, continuations): for the largest n in [min_ngram, max_ngram] whose last-n-token tail occurred earlier, up
+    to `max_matches` distinct continuations of up to num_tokens tokens that followed its occurrences, latest first;
+    (0, []) when no tail occurs."""
     length = len(context)
-    for n in range(config.max_ngram, config.min_ngram - 1, -1):
+    for n in range(max_ngram, min_ngram - 1, -1):
         if n <= 0 or length <= n:
             continue
         tail = context[length - n:]
         last = tail[-1]
+        found: list[list[int]] = []
         for start in range(length - n - 1, -1, -1):  # latest first; the tail itself (start = length - n) excluded
             if context[start + n - 1] == last and context[start: start + n] == tail:
-                return context[start + n: start + n + config.num_tokens]
-    return []
+                follow = context[start + n: start + n + num_tokens]
+                if follow and follow not in found:
+                    found.append(follow)
+                    if len(found) >= max_matches:
+                        break
+        if found:
+            return n, found
+    return 0, []
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from inference.tree import DraftInput, Tree, static_tree_tokens
+from inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
 
 
 class MedusaProposer:
@@ -24,6 +24,18 @@ class MedusaProposer:
         self.heads = heads
         self.tree = tree
         self.project = project  # heads sharing the target's lm_head: see medusa_logits
+        self.topk = max(tree.ranks) + 1
+        self._trees: dict[tuple, Tree] = {}
+
+    def resize(self, choices: list[list[int]]) -> None:
+        """Draft the tree of these choices from now on (adaptive drafting, inference/adapt.py)."""
+        key = tuple(tuple(c) for c in choices)
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = tree_from_choices(choices)
+        if tree.max_depth > self.heads.config.num_heads:
+            raise ValueError(f"a tree {tree.max_depth} deep needs more than the heads' {self.heads.config.num_heads}")
+        self.tree = tree
         self.topk = max(tree.ranks) + 1
 
     @torch.no_grad()

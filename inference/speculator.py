@@ -20,6 +20,7 @@ from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  eagle_draft_timer, read_accuracy, stale_reason)
+from inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
 from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
@@ -42,7 +43,7 @@ class Speculator:
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
                  choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True,
-                 exact: bool = False, onednn: bool = True):
+                 exact: bool = False, onednn: bool = True, adaptive: bool = True):
         if onednn:  # float32 on a CPU: the target's and the heads' linear layers through oneDNN, in place
             use_onednn_linears(model)
             use_onednn_linears(heads)
@@ -52,6 +53,9 @@ class Speculator:
         self.heads_dir = heads_dir
         self.lookup = lookup  # also draft from repeats in the context (inference/lookup.py), with the tree's node count
         self.exact = exact  # verify each node with a one-token step's attention (half precision: plain greedy's output)
+        self.adaptive = adaptive  # each step verifies what inference/adapt.py expects to pay most (else: self.tree)
+        self.adapt_config = AdaptConfig()
+        self.step_ratio: dict[int, float] | None = None  # the step-cost curve `--tree auto` measured (tree.json)
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         share = not self.is_eagle and heads.config.share_lm_head
@@ -147,6 +151,7 @@ class Speculator:
         why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
                            linear_kernel(self.model))
         if why is None:
+            self.step_ratio = {int(n): float(ms) for n, ms in record.get("step_ms", {}).items()} or None
             return str(saved)
         print(f"note: not reusing {saved}: {why}; calibrating the tree again", file=sys.stderr)
         return "auto"
@@ -178,13 +183,20 @@ class Speculator:
             except OSError as err:  # a read-only Hub cache: keep the choice in memory only
                 print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
         self._use_choices(calib.choices)
+        self.step_ratio = dict(calib.step_ms)
         return calib
+
+    def make_policy(self, lookup: bool) -> AdaptivePolicy:
+        """A fresh adaptive policy for one generation: the heads' recorded accuracies as its prior, this device's
+        step-cost curve when `--tree auto` measured one."""
+        accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
+        return AdaptivePolicy(self.adapt_config, accuracy, self.max_depth, lookup, StepCost(self.step_ratio))
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
                  stop_token_ids: Sequence[int] | None = None, on_tokens: Callable[[list[int]], None] | None = None,
                  proposer: Proposer | None = None, lookup: bool | None = None, exact: bool | None = None,
-                 keep_logits: bool = False) -> GenerateOutput:
+                 keep_logits: bool = False, adaptive: bool | None = None) -> GenerateOutput:
         """Decode up to max_new_tokens after input_ids ([L] or [1, L]).
 
         temperature 0: greedy, token-identical to model.generate(do_sample=False) in fp32.
@@ -195,6 +207,10 @@ class Speculator:
         exact: verify each tree node as a one-token step does (default self.exact; inference/forward.py): in half
         precision greedy output then stays plain greedy's where the device's matmul is row-invariant, at a cost.
         keep_logits: also return the target's logits row behind each token (out.logits; for analysis).
+        adaptive: each step verifies a plain step, a heads tree, lookup branches or both, whichever this
+        generation's acceptance so far says pays most (inference/adapt.py; default self.adaptive; a proposer
+        without `resize` runs without); off: self.tree every step, a lookup chain of its node count instead when
+        the context repeats.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise SpeculatorError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -204,6 +220,9 @@ class Speculator:
         sampling = SamplingConfig(temperature=temperature, top_p=top_p, acceptance=acceptance)
         use_lookup = self.lookup if lookup is None else lookup
         chain = LookupConfig(num_tokens=self.tree_size - 1) if use_lookup and self.tree_size > 1 else None
-        return speculative_generate(self.model, proposer or self.make_proposer(), input_ids, max_new_tokens, sampling,
+        proposer = proposer or self.make_proposer()
+        adapt = (self.adaptive if adaptive is None else adaptive) and hasattr(proposer, "resize")
+        policy = self.make_policy(use_lookup) if adapt else None
+        return speculative_generate(self.model, proposer, input_ids, max_new_tokens, sampling,
                                     stop_token_ids, generator, on_tokens, chain,
-                                    self.exact if exact is None else exact, keep_logits)
+                                    self.exact if exact is None else exact, keep_logits, policy)

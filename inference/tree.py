@@ -209,15 +209,13 @@ def expected_accept_length(choices: Sequence[Sequence[int]], accuracy: Sequence[
     return 1.0 + sum(path_value(c, accuracy) for c in choices)
 
 
-def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth: int | None = None) -> list[list[int]]:
-    """Greedy sparse tree: add, `num_nodes` times, the frontier node with the largest path value.
-
-    accuracy[d][r] = P(rank-r token of depth d+1 is right | its parent is right). A child's value is
-    at most its parent's, so the greedy frontier choice maximises the expected accepted length
-    (sum of path values) over connected trees of `num_nodes` drafted nodes (the root not counted).
-    """
+def greedy_paths(accuracy: Sequence[Sequence[float]], num_nodes: int,
+                 max_depth: int | None = None) -> list[tuple[list[int], float]]:
+    """(rank path, path value) of up to `num_nodes` nodes in the order the greedy sparse tree adds them: each time
+    the frontier node with the largest path value. Every prefix of the order is itself a connected tree, the best
+    of its size (see best_choices)."""
     max_depth = len(accuracy) if max_depth is None else min(max_depth, len(accuracy))
-    chosen: list[list[int]] = []
+    chosen: list[tuple[list[int], float]] = []
     # heap of (-value, path); start with the root's children
     frontier = [(-path_value([r], accuracy), [r]) for r in range(len(accuracy[0]))] if max_depth > 0 else []
     heapq.heapify(frontier)
@@ -225,12 +223,22 @@ def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth:
         neg_value, path = heapq.heappop(frontier)
         if -neg_value <= 0.0:
             break
-        chosen.append(path)
+        chosen.append((path, -neg_value))
         if len(path) < max_depth:
             for r in range(len(accuracy[len(path)])):
                 child = path + [r]
                 heapq.heappush(frontier, (-path_value(child, accuracy), child))
-    return sorted(chosen, key=lambda p: (len(p), p))
+    return chosen
+
+
+def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth: int | None = None) -> list[list[int]]:
+    """Greedy sparse tree: add, `num_nodes` times, the frontier node with the largest path value.
+
+    accuracy[d][r] = P(rank-r token of depth d+1 is right | its parent is right). A child's value is
+    at most its parent's, so the greedy frontier choice maximises the expected accepted length
+    (sum of path values) over connected trees of `num_nodes` drafted nodes (the root not counted).
+    """
+    return sorted((path for path, _ in greedy_paths(accuracy, num_nodes, max_depth)), key=lambda p: (len(p), p))
 
 
 # ---------------------------------------------------------------------------------------------

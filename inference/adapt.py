@@ -1,0 +1,284 @@
+"""Online adaptation: each decode step chooses what to verify (a plain step, a heads tree, lookup branches, or the
+two merged) by the most expected tokens per millisecond, from what this generation has accepted so far.
+
+Every node of a verified tree carries the keys of the proposers that drafted it: ("heads", depth - 1, rank) for
+the heads' tree, ("lookup", n, branch, position) for a continuation found after an n-token match in the context
+(branch 0 = the latest match, 1 = any other). After each verification every node whose parent was accepted is one
+trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
+exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials (the heads' training
+accuracies, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup). A tree's expected tokens is
+1 + the sum over its nodes of the product of the rates along the node's path, as inference/tree.py sizes trees.
+
+A step of n nodes costs unit_ms x ratio(n) (the calibrated step-cost curve of `--tree auto`, inference/calibrate.py,
+else PRIOR_STEP_RATIO) plus the heads' draft time when they draft; unit_ms and the draft times are running averages
+of this generation's own steps. A source that could draft but was not verified for `probe_every` steps is verified
+once at its smallest (the heads: their top-1 guess; lookup: two tokens), so a draft that stopped paying is looked
+at again and comes back when it pays.
+Lossless by construction: whatever tree is chosen, the target verifies it exactly (inference/verify.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from inference.lookup import lookup_branches
+from inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
+
+Key = tuple
+# Target step cost by tokens verified over a one-token step, the README's "Measured" table (SmolLM2-135M, oneDNN
+# linears, 2 CPU cores): the curve used until `--tree auto` has measured this device's.
+PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
+# Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
+LOOKUP_PRIOR_FIRST = {1: 0.2, 2: 0.35, 3: 0.45}
+LOOKUP_PRIOR_NEXT = 0.7
+HEADS_RANKS = 4  # ranks per depth the heads' trees may use
+
+
+@dataclass
+class AdaptConfig:
+    heads_sizes: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16)  # nodes (root included) of the heads trees considered
+    max_lookup: int = 16  # longest lookup branch, in drafted tokens
+    max_matches: int = 3  # distinct continuations from the context verified as branches of one tree
+    min_ngram: int = 1
+    max_ngram: int = 3
+    decay: float = 0.7  # per trial: an estimate follows about the last 1 / (1 - decay) trials
+    prior_weight: float = 0.5  # the prior counts as this many trials
+    probe_every: int = 8  # steps a source can go unverified before it is verified once at its smallest
+
+
+class RateTable:
+    """P(accepted | parent accepted) per key: decayed hit and trial counts, starting from the prior as `weight`
+    trials (which decay like any other, so a draft that stopped paying falls to its observed rate)."""
+
+    def __init__(self, prior, decay: float, weight: float):
+        self.prior = prior  # key -> prior rate
+        self.decay = decay
+        self.weight = weight
+        self.counts: dict[Key, list[float]] = {}  # key -> [hits, trials]
+
+    def rate(self, key: Key) -> float:
+        counts = self.counts.get(key)
+        return self.prior(key) if counts is None else counts[0] / counts[1]
+
+    def observe(self, key: Key, hit: bool) -> None:
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [self.weight * self.prior(key), self.weight]
+        counts[0] = counts[0] * self.decay + float(hit)
+        counts[1] = counts[1] * self.decay + 1.0
+
+
+class StepCost:
+    """Milliseconds of a step verifying n nodes (+ the heads' draft): unit_ms x ratio(n) + draft_ms."""
+
+    def __init__(self, ratio: dict[int, float] | None = None, smoothing: float = 0.2):
+        points = sorted((int(n), float(r)) for n, r in (ratio or PRIOR_STEP_RATIO).items())
+        base = dict(points).get(1, points[0][1])
+        self.points = [(n, r / base) for n, r in points]  # relative to the one-token step
+        self._ratios = [self._interpolate(n) for n in range(128)]  # looked up for the sizes a step can have
+        self.smoothing = smoothing
+        self.unit_ms: float | None = None
+        self.draft_ms: dict[int, float] = {}  # heads tree nodes -> running average draft ms
+
+    def ratio(self, n: int) -> float:
+        """Piecewise-linear through the curve's points, extended along its last segment."""
+        if n < len(self._ratios):
+            return self._ratios[n]
+        return self._interpolate(n)
+
+    def _interpolate(self, n: int) -> float:
+        points = self.points
+        if n <= points[0][0] or len(points) == 1:
+            return points[0][1]
+        for (n0, r0), (n1, r1) in zip(points, points[1:]):
+            if n <= n1:
+                return r0 + (r1 - r0) * (n - n0) / (n1 - n0)
+        (n0, r0), (n1, r1) = points[-2], points[-1]
+        return r1 + (r1 - r0) * (n - n1) / (n1 - n0)
+
+    def ms(self, nodes: int, heads_nodes: int) -> float:
+        unit = self.unit_ms if self.unit_ms is not None else 1.0
+        draft = 0.0
+        if heads_nodes:
+            known = self.draft_ms.get(heads_nodes)
+            if known is None and self.draft_ms:  # the nearest size drafted so far
+                known = self.draft_ms[min(self.draft_ms, key=lambda s: abs(s - heads_nodes))]
+            draft = known if known is not None else 0.1 * unit
+        return unit * self.ratio(nodes) + draft
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def observe(self, nodes: int, verify_ms: float, heads_nodes: int, draft_ms: float) -> None:
+        self.unit_ms = self._average(self.unit_ms, verify_ms / self.ratio(nodes))
+        if heads_nodes:
+            self.draft_ms[heads_nodes] = self._average(self.draft_ms.get(heads_nodes), draft_ms)
+
+
+@dataclass
+class Plan:
+    """What one step verifies: the heads' tree (choices; [] = the heads do not draft) and the lookup trie's nodes
+    up to depth lookup_depth (0 = none)."""
+    heads_choices: list[list[int]]
+    lookup_depth: int
+    ngram: int = 0
+    trie: list[tuple[int, int, list[Key], int]] = field(default_factory=list)  # AdaptivePolicy._lookup_trie's
+    expected_tokens: float = 1.0
+
+    @property
+    def kind(self) -> str:
+        if self.heads_choices and self.lookup_depth:
+            return "both"
+        return "heads" if self.heads_choices else "lookup" if self.lookup_depth else "plain"
+
+
+class AdaptivePolicy:
+    """Chooses each step's Plan and learns from each verification; one per generated sequence."""
+
+    def __init__(self, config: AdaptConfig | None = None, heads_accuracy: Sequence[Sequence[float]] | None = None,
+                 heads_depth: int = 0, lookup: bool = True, cost: StepCost | None = None):
+        self.config = config or AdaptConfig()
+        accuracy = [list(row) for row in (heads_accuracy or DEFAULT_ACCURACY)][:heads_depth]
+        self.heads_depth = len(accuracy)  # 0: no heads (lookup only)
+        self.lookup = lookup
+        self.cost = cost or StepCost()
+
+        def prior(key: Key) -> float:
+            if key[0] == "heads":
+                row = accuracy[key[1]]
+                rank = key[2]
+                return row[rank] if rank < len(row) else row[-1] * 0.5 ** (rank - len(row) + 1)
+            _, n, _, position = key
+            return LOOKUP_PRIOR_FIRST.get(n, max(LOOKUP_PRIOR_FIRST.values())) if position == 1 else LOOKUP_PRIOR_NEXT
+
+        self.rates = RateTable(prior, self.config.decay, self.config.prior_weight)
+        self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
+        self.kinds: Counter = Counter()  # plan kind -> steps
+        self.sizes: Counter = Counter()  # tree nodes -> steps
+
+    def _heads_options(self) -> list[tuple[list[list[int]], float]]:
+        """(choices, expected extra tokens) of the best heads tree of each allowed size, under the current rates."""
+        if not self.heads_depth:
+            return []
+        table = [[self.rates.rate(("heads", d, r)) for r in range(HEADS_RANKS)] for d in range(self.heads_depth)]
+        order = greedy_paths(table, max(self.config.heads_sizes) - 1)
+        options, gain = [], 0.0
+        for count, (_, value) in enumerate(order, start=1):
+            gain += value
+            if count + 1 in self.config.heads_sizes or count == len(order):
+                options.append(([path for path, _ in order[:count]], gain))
+        return options
+
+    def _lookup_trie(self, ngram: int, branches: list[list[int]]) -> list[tuple[int, int, list[Key], int]]:
+        """The branches as a trie: nodes (parent, token, keys, depth), parent -1 = the root, parents first."""
+        nodes: list[tuple[int, int, list[Key], int]] = []
+        index: dict[tuple[int, int], int] = {}
+        for b, branch in enumerate(branches):
+            parent = -1
+            for position, token in enumerate(branch, start=1):
+                key = ("lookup", ngram, min(b, 1), position)
+                node = index.get((parent, token))
+                if node is None:
+                    node = index[(parent, token)] = len(nodes)
+                    nodes.append((parent, token, [key], position))
+                elif key not in nodes[node][2]:
+                    nodes[node][2].append(key)
+                parent = node
+        return nodes
+
+    def _lookup_options(self, trie) -> list[tuple[int, float, int]]:
+        """(depth, expected extra tokens, drafted nodes) for every cut depth of the trie."""
+        value: list[float] = []
+        by_depth: dict[int, list[float]] = {}
+        for parent, _, keys, depth in trie:
+            v = (value[parent] if parent >= 0 else 1.0) * max(self.rates.rate(k) for k in keys)
+            value.append(v)
+            by_depth.setdefault(depth, []).append(v)
+        options, gain, nodes = [], 0.0, 0
+        for depth in sorted(by_depth):
+            gain += sum(by_depth[depth])
+            nodes += len(by_depth[depth])
+            options.append((depth, gain, nodes))
+        return options
+
+    def plan(self, context: list[int]) -> Plan:
+        cfg = self.config
+        ngram, branches = (lookup_branches(context, cfg.max_lookup, cfg.min_ngram, cfg.max_ngram, cfg.max_matches)
+                           if self.lookup else (0, []))
+        heads = [([], 0.0)] + self._heads_options()
+        trie = self._lookup_trie(ngram, branches)
+        lookups = [(0, 0.0, 0)] + self._lookup_options(trie)
+        best, best_rate = (heads[0], lookups[0]), 0.0
+        for h in heads:
+            heads_nodes = len(h[0]) + 1 if h[0] else 0
+            for lk in lookups:
+                rate = (1.0 + h[1] + lk[1]) / self.cost.ms(1 + len(h[0]) + lk[2], heads_nodes)
+                if rate > best_rate:
+                    best, best_rate = (h, lk), rate
+        (choices, heads_gain), (depth, lookup_gain, _) = best
+        if len(heads) > 1 and not choices and self.unverified["heads"] >= cfg.probe_every:
+            choices, heads_gain = [[0]], self.rates.rate(("heads", 0, 0))  # the heads' top-1 guess decides
+        if len(lookups) > 1 and not depth and self.unverified["lookup"] >= cfg.probe_every:
+            depth, lookup_gain, _ = lookups[min(2, len(lookups) - 1)]
+        for source, used, possible in (("heads", choices, len(heads) > 1), ("lookup", depth, len(lookups) > 1)):
+            self.unverified[source] = 0 if used or not possible else self.unverified[source] + 1
+        return Plan(heads_choices=choices, lookup_depth=depth, ngram=ngram, trie=trie,
+                    expected_tokens=1.0 + heads_gain + lookup_gain)
+
+    def build(self, plan: Plan, root: int, heads_tree: Tree | None = None,
+              heads_tokens: torch.Tensor | None = None) -> tuple[Tree, torch.Tensor, list[list[Key]]]:
+        """The tree to verify: the heads' tree (when they drafted) with the lookup trie cut at plan.lookup_depth
+        merged in (a node both drafted is one node with both keys). -> (tree, tokens [N], keys per node)."""
+        if heads_tree is not None:
+            parents, tokens = list(heads_tree.parents), heads_tokens.tolist()
+            keys: list[list[Key]] = [[]] + [[("heads", heads_tree.depths[i] - 1, heads_tree.ranks[i])]
+                                            for i in range(1, heads_tree.size)]
+        else:
+            parents, tokens, keys = [-1], [root], [[]]
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        trie_node: list[int] = []  # trie node -> tree node
+        for parent, token, node_keys, depth in (plan.trie if plan.lookup_depth else []):
+            if depth > plan.lookup_depth:
+                trie_node.append(-1)
+                continue
+            at = 0 if parent < 0 else trie_node[parent]
+            node = child.get((at, token))
+            if node is None:
+                node = child[(at, token)] = len(parents)
+                parents.append(at)
+                tokens.append(token)
+                keys.append([])
+            keys[node].extend(node_keys)
+            trie_node.append(node)
+        tree = heads_tree if heads_tree is not None and len(parents) == heads_tree.size else _tree(tuple(parents))
+        return tree, torch.tensor(tokens, dtype=torch.long), keys
+
+    def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int], draft_ms: float,
+                verify_ms: float) -> None:
+        """Learn from one verification: every node whose parent was accepted is a trial for its keys."""
+        accepted = set(path)
+        for node in range(1, tree.size):
+            if tree.parents[node] in accepted:
+                for key in keys[node]:
+                    self.rates.observe(key, node in accepted)
+        heads_nodes = len(plan.heads_choices) + 1 if plan.heads_choices else 0
+        self.cost.observe(tree.size, verify_ms, heads_nodes, draft_ms)
+        self.kinds[plan.kind] += 1
+        self.sizes[tree.size] += 1
+
+
+_TREES: dict[tuple[int, ...], Tree] = {}
+
+
+def _tree(parents: tuple[int, ...]) -> Tree:
+    """tree_from_parents, kept per shape (the decode loop meets the same few shapes again and again)."""
+    tree = _TREES.get(parents)
+    if tree is None:
+        if len(_TREES) > 4096:
+            _TREES.clear()
+        tree = _TREES[parents] = tree_from_parents(list(parents))
+    return tree

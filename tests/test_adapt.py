@@ -1,0 +1,208 @@
+"""Adaptive drafting (inference/adapt.py): scripted proposers and a scripted step cost drive the policy; the real
+decode loop under adaptation stays greedy-exact and keeps the target's sampling distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from heads.medusa import MedusaConfig, MedusaHeads
+from inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
+from inference.decode import SamplingConfig, speculative_generate
+from inference.generate import Speculator
+from inference.tree import tree_from_choices
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+UNIT_MS = 10.0
+REPEATING = list(range(40)) * 3  # a context whose tail always occurred before: lookup always has branches
+
+
+def simulate(policy: AdaptivePolicy, steps: int, heads_right, lookup_right=lambda step, branch, pos: False,
+             context=(1, 2, 3)) -> list:
+    """Run `steps` plan -> build -> verify -> observe rounds without a model.
+
+    heads_right(step, depth, rank) and lookup_right(step, branch, position) say which drafted nodes the "target"
+    accepts (a node is right when any of its keys says so; the first right child is taken). The step costs
+    UNIT_MS x the prior curve, the heads' draft 0.5 ms. Returns each step's (plan, accepted drafted tokens)."""
+    cost = StepCost()
+    history = []
+    for step in range(steps):
+        plan = policy.plan(list(context))
+        heads_tree = heads_tokens = None
+        if plan.heads_choices:
+            heads_tree = tree_from_choices(plan.heads_choices)
+            heads_tokens = torch.arange(heads_tree.size) + 10_000  # never equal to a lookup token
+        tree, tokens, keys = policy.build(plan, context[-1], heads_tree, heads_tokens)
+
+        def right(node: int) -> bool:
+            for key in keys[node]:
+                if key[0] == "heads" and heads_right(step, key[1], key[2]):
+                    return True
+                if key[0] == "lookup" and lookup_right(step, key[2], key[3]):
+                    return True
+            return False
+
+        path, node = [0], 0
+        while True:
+            nxt = next((c for c in tree.children[node] if right(c)), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        policy.observe(plan, tree, keys, path, draft_ms=0.5 if plan.heads_choices else 0.0,
+                       verify_ms=UNIT_MS * cost.ratio(tree.size))
+        history.append((plan, len(path) - 1))
+    return history
+
+
+def perfect(step, depth, rank):
+    return rank == 0
+
+
+def useless(step, depth, rank):
+    return False
+
+
+def test_a_perfect_draft_reaches_the_deepest_tree():
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.3, 0.1]] * 5, heads_depth=5, lookup=False)
+    history = simulate(policy, 30, perfect)
+    late = [plan for plan, _ in history[10:]]
+    assert all([0] * 5 in plan.heads_choices for plan in late)  # the whole rank-0 chain, 5 heads deep
+    assert all(accepted == 5 for _, accepted in history[10:])
+
+
+def test_a_useless_draft_costs_a_few_steps_then_probes_only():
+    cfg = AdaptConfig()
+    policy = AdaptivePolicy(cfg, heads_accuracy=[[0.6, 0.2]] * 3, heads_depth=3, lookup=False)
+    history = simulate(policy, 64, useless)
+    heads_steps = [i for i, (plan, _) in enumerate(history) if plan.heads_choices]
+    assert len([i for i in heads_steps if i < 8]) <= 3  # a few steps to learn the heads are wrong
+    later = [i for i in heads_steps if i >= 8]
+    assert len(later) <= 64 // cfg.probe_every  # one probe per probe_every steps
+    assert all(len(history[i][0].heads_choices) == 1 for i in later)  # probes verify one node
+    assert policy.kinds["plain"] >= 50
+
+
+def test_a_draft_that_collapses_is_dropped_and_comes_back():
+    """Right for 30 steps, useless for 40, right again: dropped within 8 steps, back at the next probe."""
+    cfg = AdaptConfig()
+
+    def changing(step, depth, rank):
+        return rank == 0 and not 30 <= step < 70
+
+    policy = AdaptivePolicy(cfg, heads_accuracy=[[0.5, 0.2]] * 3, heads_depth=3, lookup=False)
+    history = simulate(policy, 110, changing)
+    uses = [bool(plan.heads_choices) and len(plan.heads_choices) > 1 for plan, _ in history]
+    assert all(uses[5:30])
+    assert not any(uses[38:70])  # after 8 wasted steps at most, only one-node probes
+    back = next(i for i in range(70, 110) if all(uses[i: i + 10]))
+    assert back <= 70 + cfg.probe_every + 2
+
+
+def test_lookup_chains_grow_as_long_as_they_are_accepted():
+    cfg = AdaptConfig()
+    policy = AdaptivePolicy(cfg, heads_depth=0, lookup=True)  # lookup only
+    history = simulate(policy, 20, useless, lambda step, branch, pos: branch == 0, context=REPEATING)
+    assert [plan.lookup_depth for plan, _ in history[-5:]] == [cfg.max_lookup] * 5
+    assert all(accepted == cfg.max_lookup for _, accepted in history[-5:])
+
+
+def test_useless_lookup_is_dropped_for_the_heads():
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.5, 0.2]] * 3, heads_depth=3, lookup=True)
+    history = simulate(policy, 40, perfect, context=REPEATING)
+    kinds = [plan.kind for plan, _ in history[8:]]
+    assert kinds.count("heads") >= len(kinds) - 5 and "plain" not in kinds
+
+
+def test_two_sources_right_half_the_time_each_are_verified_together():
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.5, 0.2]] * 3, heads_depth=3, lookup=True)
+    history = simulate(policy, 40, lambda step, depth, rank: rank == 0 and step % 2 == 0,
+                       lambda step, branch, pos: branch == 0 and step % 2 == 1, context=REPEATING)
+    late = [plan.kind for plan, _ in history[10:]]
+    assert late.count("both") >= len(late) - 2
+    assert sum(accepted for _, accepted in history[10:]) >= 30 // 2 * (3 + 8)  # each source's whole draft, in turn
+
+
+def test_merged_tree_shares_nodes_both_drafted():
+    policy = AdaptivePolicy(AdaptConfig(), heads_depth=2, lookup=True)
+    context = [7, 8, 9, 4, 5, 7, 8]  # tail 7 8 occurred: branch [9, 4, 5, 7, 8]
+    plan = policy.plan(context)
+    plan.heads_choices, plan.lookup_depth = [[0], [1], [0, 0]], 3
+    heads_tree = tree_from_choices(plan.heads_choices)
+    tree, tokens, keys = policy.build(plan, 8, heads_tree, torch.tensor([8, 9, 6, 4]))  # heads: 9 then 4, or 6
+    assert tokens.tolist() == [8, 9, 6, 4, 5]  # lookup's 9 and 4 are the heads' nodes; its 5 is new
+    assert tree.parents == [-1, 0, 0, 1, 3]
+    assert {k[0] for k in keys[1]} == {"heads", "lookup"} and [k[0] for k in keys[4]] == ["lookup"]
+
+
+def test_step_cost_interpolates_and_learns_its_unit():
+    cost = StepCost({1: 10.0, 2: 11.0, 4: 12.0})
+    assert cost.ratio(3) == pytest.approx(1.15) and cost.ratio(6) == pytest.approx(1.3)
+    for _ in range(50):
+        cost.observe(4, 24.0, heads_nodes=4, draft_ms=3.0)
+    assert cost.unit_ms == pytest.approx(20.0) and cost.ms(2, 4) == pytest.approx(25.0)
+    assert cost.ms(1, 0) == pytest.approx(20.0)
+
+
+def _lm_heads(model, num_heads=3):
+    heads = MedusaHeads(MedusaConfig(hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+                                     num_heads=num_heads)).eval()
+    heads.init_lm_heads_from(model.lm_head.weight)  # every head guesses the target's next token: some accepted
+    return heads
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_adaptive_greedy_is_plain_greedy(model_type):
+    from test_infer_generate import _first_diff, reference
+
+    model = tiny_model(model_type, vocab_size=128, seed=1)
+    spec = Speculator(model, _lm_heads(model))
+    spec.adapt_config = AdaptConfig(probe_every=2)  # both sources verified often, every plan kind taken
+    prompts = torch.cat([torch.randint(3, 128, (4, 6), generator=torch.Generator().manual_seed(3))] * 2, 1)
+    refs = reference(model, prompts, 48)
+    kinds = set()
+    for i in range(4):
+        out = spec.generate(prompts[i], 48, stop_token_ids=[])
+        assert out.tokens == refs[i], f"prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
+        kinds |= set(out.stats.proposals)
+        assert sum(out.stats.proposals.values()) == out.stats.decode_forwards
+    assert {"heads", "lookup"} <= kinds or {"both"} <= kinds
+
+
+def test_adaptive_sampling_keeps_the_target_distribution():
+    """Temperature 1 on a vocab-8 model, the policy probing every step (heads and lookup trees of every kind):
+    the first three tokens follow the target's exact joint distribution (chi-square)."""
+    from scipy.stats import chi2
+
+    model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)  # peaked distributions: a wrong rule shows up quickly
+    spec = Speculator(model, _lm_heads(model))
+    prompt = torch.tensor([1, 5, 3, 6, 1, 5])
+    conts = torch.tensor(list(itertools.product(range(8), range(8))))  # [64, 2]
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)
+    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
+    for row, (t1, t2) in enumerate(conts.tolist()):
+        exact[t1, t2] = (logp[row, 5, t1] + logp[row, 6, t2] + logp[row, 7]).exp()
+    n = 2000
+    counts = torch.zeros(8, 8, 8)
+    kinds = set()
+    for s in range(n):
+        policy = AdaptivePolicy(AdaptConfig(probe_every=1), heads_depth=3, lookup=True)
+        out = speculative_generate(model, spec.make_proposer(), prompt, 3, SamplingConfig(temperature=1.0), [],
+                                   torch.Generator().manual_seed(s), policy=policy)
+        counts[tuple(out.tokens)] += 1
+        kinds |= set(out.stats.proposals)
+    assert {"both", "heads"} <= kinds
+    expected = exact.reshape(-1) * n
+    observed = counts.reshape(-1).double()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    pvalue = float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
