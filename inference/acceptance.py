@@ -4,8 +4,9 @@
 
 tau counts target forwards, not seconds, so it can be measured on a busy machine: the figure that judges a training
 change (the benchmark, inference/bench.py, adds the wall clock). Each heads directory decodes the same prompts
-greedily with one fixed tree (its tree.json when it has one, else the default; or --tree), with lookup drafting off
-and on; the table gives tau per family (a prompt row's `category`) and over all prompts, and --output writes it as JSON.
+greedily with one fixed tree every step (not adaptive: the figure is the draft's; its tree.json when it has one,
+else the default; or --tree), with lookup drafting off and on; the table gives tau per family (a prompt row's
+`category`) and over all prompts, and --output writes it as JSON.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool)
             for key in (row.category or "other", "all"):
                 sums[key]["skipped_too_long"] += 1
             continue
-        stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup).stats
+        stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup, adaptive=False).stats
         for key in (row.category or "other", "all"):
             sums[key]["prompts"] += 1
             sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's

@@ -6,15 +6,18 @@ the heads' tree, ("lookup", n, branch, position) for a continuation found after 
 (branch 0 = the latest match, 1 = any other). After each verification every node whose parent was accepted is one
 trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
 exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials (the heads' training
-accuracies, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup). A tree's expected tokens is
-1 + the sum over its nodes of the product of the rates along the node's path, as inference/tree.py sizes trees.
+accuracies made conditional, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup). A tree's
+expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
+inference/tree.py sizes trees.
 
-A step of n nodes costs unit_ms x ratio(n) (the calibrated step-cost curve of `--tree auto`, inference/calibrate.py,
-else PRIOR_STEP_RATIO) plus the heads' draft time when they draft; unit_ms and the draft times are running averages
-of this generation's own steps. A source that could draft but was not verified for `probe_every` steps is verified
-once at its smallest (the heads: their top-1 guess; lookup: two tokens), so a draft that stopped paying is looked
-at again and comes back when it pays.
-Lossless by construction: whatever tree is chosen, the target verifies it exactly (inference/verify.py).
+A step of n nodes costs ratio(n) one-token steps (the step-cost curve `--tree auto` measured, inference/calibrate.py,
+else PRIOR_STEP_RATIO) plus the heads' draft when they draft (measured the same way, else the priors): never this
+generation's wall clock, so choices follow acceptance only and seeded sampling repeats. A source that could draft
+but was not verified for `probe_every` steps is verified once at its smallest (the heads: their top-1 guess;
+lookup: two tokens), so a draft that stopped paying is looked at again and comes back when it pays; each failed
+probe doubles the wait for the next (up to MAX_PROBE_GAP x), so a draft useless for a whole generation costs
+a few probes. Lossless by
+construction: whatever tree is chosen, the target verifies it exactly (inference/verify.py).
 """
 
 from __future__ import annotations
@@ -32,10 +35,15 @@ Key = tuple
 # Target step cost by tokens verified over a one-token step, the README's "Measured" table (SmolLM2-135M, oneDNN
 # linears, 2 CPU cores): the curve used until `--tree auto` has measured this device's.
 PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
+# The heads' draft over a one-token step, by tree nodes (0: any size), the same table: Medusa with a draft
+# vocabulary (1.3 ms), an EAGLE-3 draft growing 8 nodes 4 deep (17.9 ms of an 81 ms step).
+PRIOR_DRAFT_RATIO = {0: 0.04}
+PRIOR_EAGLE_DRAFT_RATIO = {2: 0.06, 4: 0.12, 8: 0.22, 16: 0.3}
 # Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
 LOOKUP_PRIOR_FIRST = {1: 0.2, 2: 0.35, 3: 0.45}
 LOOKUP_PRIOR_NEXT = 0.7
 HEADS_RANKS = 4  # ranks per depth the heads' trees may use
+MAX_PROBE_GAP = 2  # failed probes stretch the wait for the next one up to this many times probe_every
 
 
 @dataclass
@@ -47,7 +55,7 @@ class AdaptConfig:
     max_ngram: int = 3
     decay: float = 0.7  # per trial: an estimate follows about the last 1 / (1 - decay) trials
     prior_weight: float = 0.5  # the prior counts as this many trials
-    probe_every: int = 8  # steps a source can go unverified before it is verified once at its smallest
+    probe_every: int = 4  # steps a source can go unverified before it is verified once at its smallest
 
 
 class RateTable:
@@ -73,16 +81,17 @@ class RateTable:
 
 
 class StepCost:
-    """Milliseconds of a step verifying n nodes (+ the heads' draft): unit_ms x ratio(n) + draft_ms."""
+    """Cost of a step verifying n nodes, in one-token steps: ratio(n), plus the heads' draft when they draft.
 
-    def __init__(self, ratio: dict[int, float] | None = None, smoothing: float = 0.2):
+    Fixed for the generation (measured by `--tree auto`, else the priors), never read from this generation's wall
+    clock: the policy's choices then depend only on what was accepted, so a seeded sampling run repeats exactly."""
+
+    def __init__(self, ratio: dict[int, float] | None = None, draft: dict[int, float] | None = None):
         points = sorted((int(n), float(r)) for n, r in (ratio or PRIOR_STEP_RATIO).items())
         base = dict(points).get(1, points[0][1])
         self.points = [(n, r / base) for n, r in points]  # relative to the one-token step
         self._ratios = [self._interpolate(n) for n in range(128)]  # looked up for the sizes a step can have
-        self.smoothing = smoothing
-        self.unit_ms: float | None = None
-        self.draft_ms: dict[int, float] = {}  # heads tree nodes -> running average draft ms
+        self.draft = dict(draft if draft is not None else PRIOR_DRAFT_RATIO)  # heads tree nodes (0: any) -> cost
 
     def ratio(self, n: int) -> float:
         """Piecewise-linear through the curve's points, extended along its last segment."""
@@ -100,23 +109,16 @@ class StepCost:
         (n0, r0), (n1, r1) = points[-2], points[-1]
         return r1 + (r1 - r0) * (n - n1) / (n1 - n0)
 
-    def ms(self, nodes: int, heads_nodes: int) -> float:
-        unit = self.unit_ms if self.unit_ms is not None else 1.0
-        draft = 0.0
-        if heads_nodes:
-            known = self.draft_ms.get(heads_nodes)
-            if known is None and self.draft_ms:  # the nearest size drafted so far
-                known = self.draft_ms[min(self.draft_ms, key=lambda s: abs(s - heads_nodes))]
-            draft = known if known is not None else 0.1 * unit
-        return unit * self.ratio(nodes) + draft
+    def draft_cost(self, heads_nodes: int) -> float:
+        """The heads' draft of a tree of heads_nodes nodes: its own entry, else the nearest size's."""
+        if not heads_nodes or not self.draft:
+            return 0.0
+        if heads_nodes in self.draft:
+            return self.draft[heads_nodes]
+        return self.draft[min(self.draft, key=lambda size: abs(size - heads_nodes))]
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def observe(self, nodes: int, verify_ms: float, heads_nodes: int, draft_ms: float) -> None:
-        self.unit_ms = self._average(self.unit_ms, verify_ms / self.ratio(nodes))
-        if heads_nodes:
-            self.draft_ms[heads_nodes] = self._average(self.draft_ms.get(heads_nodes), draft_ms)
+    def cost(self, nodes: int, heads_nodes: int) -> float:
+        return self.ratio(nodes) + self.draft_cost(heads_nodes)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class Plan:
     ngram: int = 0
     trie: list[tuple[int, int, list[Key], int]] = field(default_factory=list)  # AdaptivePolicy._lookup_trie's
     expected_tokens: float = 1.0
+    probes: list[str] = field(default_factory=list)  # sources verified only as a probe ("heads", "lookup")
 
     @property
     def kind(self) -> str:
@@ -157,6 +160,9 @@ class AdaptivePolicy:
 
         self.rates = RateTable(prior, self.config.decay, self.config.prior_weight)
         self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
+        # steps a source may go unverified before a probe: probe_every, doubled after each failed probe (up to
+        # MAX_PROBE_GAP x), back to probe_every once it is chosen on its merits
+        self.probe_gap = {"heads": self.config.probe_every, "lookup": self.config.probe_every}
         self.kinds: Counter = Counter()  # plan kind -> steps
         self.sizes: Counter = Counter()  # tree nodes -> steps
 
@@ -216,18 +222,23 @@ class AdaptivePolicy:
         for h in heads:
             heads_nodes = len(h[0]) + 1 if h[0] else 0
             for lk in lookups:
-                rate = (1.0 + h[1] + lk[1]) / self.cost.ms(1 + len(h[0]) + lk[2], heads_nodes)
+                rate = (1.0 + h[1] + lk[1]) / self.cost.cost(1 + len(h[0]) + lk[2], heads_nodes)
                 if rate > best_rate:
                     best, best_rate = (h, lk), rate
         (choices, heads_gain), (depth, lookup_gain, _) = best
-        if len(heads) > 1 and not choices and self.unverified["heads"] >= cfg.probe_every:
+        probes = []
+        if len(heads) > 1 and not choices and self.unverified["heads"] >= self.probe_gap["heads"]:
             choices, heads_gain = [[0]], self.rates.rate(("heads", 0, 0))  # the heads' top-1 guess decides
-        if len(lookups) > 1 and not depth and self.unverified["lookup"] >= cfg.probe_every:
+            probes.append("heads")
+        if len(lookups) > 1 and not depth and self.unverified["lookup"] >= self.probe_gap["lookup"]:
             depth, lookup_gain, _ = lookups[min(2, len(lookups) - 1)]
+            probes.append("lookup")
         for source, used, possible in (("heads", choices, len(heads) > 1), ("lookup", depth, len(lookups) > 1)):
             self.unverified[source] = 0 if used or not possible else self.unverified[source] + 1
+            if used and source not in probes:
+                self.probe_gap[source] = cfg.probe_every
         return Plan(heads_choices=choices, lookup_depth=depth, ngram=ngram, trie=trie,
-                    expected_tokens=1.0 + heads_gain + lookup_gain)
+                    expected_tokens=1.0 + heads_gain + lookup_gain, probes=probes)
 
     def build(self, plan: Plan, root: int, heads_tree: Tree | None = None,
               heads_tokens: torch.Tensor | None = None) -> tuple[Tree, torch.Tensor, list[list[Key]]]:
@@ -257,18 +268,30 @@ class AdaptivePolicy:
         tree = heads_tree if heads_tree is not None and len(parents) == heads_tree.size else _tree(tuple(parents))
         return tree, torch.tensor(tokens, dtype=torch.long), keys
 
-    def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int], draft_ms: float,
-                verify_ms: float) -> None:
+    def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int]) -> None:
         """Learn from one verification: every node whose parent was accepted is a trial for its keys."""
         accepted = set(path)
+        hit_sources = set()
         for node in range(1, tree.size):
             if tree.parents[node] in accepted:
                 for key in keys[node]:
                     self.rates.observe(key, node in accepted)
-        heads_nodes = len(plan.heads_choices) + 1 if plan.heads_choices else 0
-        self.cost.observe(tree.size, verify_ms, heads_nodes, draft_ms)
+                    if node in accepted:
+                        hit_sources.add(key[0])
+        for source in plan.probes:  # a failed probe: wait twice as long for the next
+            gap = self.config.probe_every if source in hit_sources else 2 * self.probe_gap[source]
+            self.probe_gap[source] = min(gap, MAX_PROBE_GAP * self.config.probe_every)
         self.kinds[plan.kind] += 1
         self.sizes[tree.size] += 1
+
+
+def conditional_rates(accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Training's per-(depth, rank) accuracies (P(head d's rank-r guess is right), as metrics.json records them) as
+    the policy's prior P(right | parent right): depth d's rates over depth d - 1's top-1 (a head is rarely right
+    where the head before it was wrong), at most 1."""
+    rows = [list(row) for row in accuracy]
+    return [rows[0]] + [[min(1.0, a / rows[d - 1][0]) if rows[d - 1][0] > 0 else 0.0 for a in rows[d]]
+                        for d in range(1, len(rows))]
 
 
 _TREES: dict[tuple[int, ...], Tree] = {}

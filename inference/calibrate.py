@@ -59,6 +59,7 @@ class TreeCalibration:
     samples_ms: dict[int, list[float]]  # every timing, by size, in round order
     draft_ms: float  # median draft ms of the chosen size (Medusa: all heads, one timing per round)
     draft_samples_ms: dict[int, list[float]]  # by tree size (EAGLE) or under 0 (Medusa's one draft)
+    draft_ratio: dict[int, float]  # the same keys: median over rounds of draft ms / the round's 1-token step ms
     expected_tokens_per_s: dict[int, float]
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
     prefix_len: int
@@ -253,6 +254,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         step_ms={s: one_ms * r for s, r in fitted.items()}, raw_step_ms={s: one_ms * r for s, r in step_ratio.items()},
         step_ratio=step_ratio, spread=spread, pooled_spread=pooled_spread, samples_ms={s: samples[("step", s)] for s in per_size_choices},
         draft_ms=draft_ms, draft_samples_ms={s: t for (kind, s), t in samples.items() if kind == "draft"},
+        draft_ratio=draft_ratio,
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
         chosen_by="fallback: machine busy" if busy else "fallback: too noisy" if noisy else "measurement",

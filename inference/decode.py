@@ -207,7 +207,7 @@ def speculative_generate(
         compact_cache(cache, prefix_len, path)
         t2 = time.perf_counter()
         if policy is not None:
-            policy.observe(plan, tree, keys, path, 1000 * (t1 - t0), 1000 * (t2 - t1))
+            policy.observe(plan, tree, keys, path)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         stats.decode_forwards += 1

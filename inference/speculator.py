@@ -20,7 +20,7 @@ from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  eagle_draft_timer, read_accuracy, stale_reason)
-from inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
+from inference.adapt import PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates
 from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
@@ -55,8 +55,8 @@ class Speculator:
         self.exact = exact  # verify each node with a one-token step's attention (half precision: plain greedy's output)
         self.adaptive = adaptive  # each step verifies what inference/adapt.py expects to pay most (else: self.tree)
         self.adapt_config = AdaptConfig()
-        self.step_ratio: dict[int, float] | None = None  # the step-cost curve `--tree auto` measured (tree.json)
         self.is_eagle = str(heads.config.method).startswith("eagle")
+        self.step_cost = StepCost(None, PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else None)  # `--tree auto`: measured
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         share = not self.is_eagle and heads.config.share_lm_head
         # Medusa heads sharing the target's lm_head score its draft-vocabulary rows: sliced and packed once
@@ -151,7 +151,7 @@ class Speculator:
         why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
                            linear_kernel(self.model))
         if why is None:
-            self.step_ratio = {int(n): float(ms) for n, ms in record.get("step_ms", {}).items()} or None
+            self._use_step_cost(record.get("step_ms"), record.get("draft_ratio"))
             return str(saved)
         print(f"note: not reusing {saved}: {why}; calibrating the tree again", file=sys.stderr)
         return "auto"
@@ -183,14 +183,22 @@ class Speculator:
             except OSError as err:  # a read-only Hub cache: keep the choice in memory only
                 print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
         self._use_choices(calib.choices)
-        self.step_ratio = dict(calib.step_ms)
+        self._use_step_cost(calib.step_ms, calib.draft_ratio)
         return calib
+
+    def _use_step_cost(self, step_ms: dict | None, draft_ratio: dict | None) -> None:
+        """The adaptive policy's step-cost curve from a calibration (tree.json's string keys accepted)."""
+        if step_ms:
+            draft = {int(n): float(r) for n, r in (draft_ratio or {}).items()} or None
+            self.step_cost = StepCost({int(n): float(ms) for n, ms in step_ms.items()},
+                                      draft if draft is not None else self.step_cost.draft)
 
     def make_policy(self, lookup: bool) -> AdaptivePolicy:
         """A fresh adaptive policy for one generation: the heads' recorded accuracies as its prior, this device's
         step-cost curve when `--tree auto` measured one."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        return AdaptivePolicy(self.adapt_config, accuracy, self.max_depth, lookup, StepCost(self.step_ratio))
+        prior = conditional_rates(accuracy) if accuracy else None
+        return AdaptivePolicy(self.adapt_config, prior, self.max_depth, lookup, self.step_cost)
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,

@@ -10,14 +10,13 @@ import torch
 from conftest import tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
-from inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
+from inference.adapt import MAX_PROBE_GAP, AdaptConfig, AdaptivePolicy, StepCost
 from inference.decode import SamplingConfig, speculative_generate
 from inference.generate import Speculator
 from inference.tree import tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
-UNIT_MS = 10.0
 REPEATING = list(range(40)) * 3  # a context whose tail always occurred before: lookup always has branches
 
 
@@ -27,8 +26,7 @@ def simulate(policy: AdaptivePolicy, steps: int, heads_right, lookup_right=lambd
 
     heads_right(step, depth, rank) and lookup_right(step, branch, position) say which drafted nodes the "target"
     accepts (a node is right when any of its keys says so; the first right child is taken). The step costs
-    UNIT_MS x the prior curve, the heads' draft 0.5 ms. Returns each step's (plan, accepted drafted tokens)."""
-    cost = StepCost()
+    policy's prior cost curve. Returns each step's (plan, accepted drafted tokens)."""
     history = []
     for step in range(steps):
         plan = policy.plan(list(context))
@@ -53,8 +51,7 @@ def simulate(policy: AdaptivePolicy, steps: int, heads_right, lookup_right=lambd
                 break
             path.append(nxt)
             node = nxt
-        policy.observe(plan, tree, keys, path, draft_ms=0.5 if plan.heads_choices else 0.0,
-                       verify_ms=UNIT_MS * cost.ratio(tree.size))
+        policy.observe(plan, tree, keys, path)
         history.append((plan, len(path) - 1))
     return history
 
@@ -82,7 +79,7 @@ def test_a_useless_draft_costs_a_few_steps_then_probes_only():
     heads_steps = [i for i, (plan, _) in enumerate(history) if plan.heads_choices]
     assert len([i for i in heads_steps if i < 8]) <= 3  # a few steps to learn the heads are wrong
     later = [i for i in heads_steps if i >= 8]
-    assert len(later) <= 64 // cfg.probe_every  # one probe per probe_every steps
+    assert len(later) <= 64 // (MAX_PROBE_GAP * cfg.probe_every) + 2  # failed probes: the longest wait between
     assert all(len(history[i][0].heads_choices) == 1 for i in later)  # probes verify one node
     assert policy.kinds["plain"] >= 50
 
@@ -100,7 +97,7 @@ def test_a_draft_that_collapses_is_dropped_and_comes_back():
     assert all(uses[5:30])
     assert not any(uses[38:70])  # after 8 wasted steps at most, only one-node probes
     back = next(i for i in range(70, 110) if all(uses[i: i + 10]))
-    assert back <= 70 + cfg.probe_every + 2
+    assert back <= 70 + MAX_PROBE_GAP * cfg.probe_every + 2  # the next probe, at the longest wait
 
 
 def test_lookup_chains_grow_as_long_as_they_are_accepted():
@@ -139,13 +136,11 @@ def test_merged_tree_shares_nodes_both_drafted():
     assert {k[0] for k in keys[1]} == {"heads", "lookup"} and [k[0] for k in keys[4]] == ["lookup"]
 
 
-def test_step_cost_interpolates_and_learns_its_unit():
-    cost = StepCost({1: 10.0, 2: 11.0, 4: 12.0})
+def test_step_cost_interpolates_and_takes_the_nearest_draft_size():
+    cost = StepCost({1: 10.0, 2: 11.0, 4: 12.0}, {2: 0.1, 8: 0.3})
     assert cost.ratio(3) == pytest.approx(1.15) and cost.ratio(6) == pytest.approx(1.3)
-    for _ in range(50):
-        cost.observe(4, 24.0, heads_nodes=4, draft_ms=3.0)
-    assert cost.unit_ms == pytest.approx(20.0) and cost.ms(2, 4) == pytest.approx(25.0)
-    assert cost.ms(1, 0) == pytest.approx(20.0)
+    assert cost.cost(4, 0) == pytest.approx(1.2) and cost.cost(4, 3) == pytest.approx(1.3)
+    assert cost.cost(9, 7) == pytest.approx(1.45 + 0.3)
 
 
 def _lm_heads(model, num_heads=3):

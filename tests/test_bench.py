@@ -11,7 +11,7 @@ import torch
 from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
-from inference.bench import Method, Run, main, markdown, summarise_all
+from inference.bench import Method, Run, main, markdown, summarise_all, versus_best_other
 from inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories
@@ -111,6 +111,8 @@ def test_results_have_every_figure_for_every_method(results):
         assert m["new_tokens"] == total and m["decode_forwards"] == forwards
         assert m["tau"] == pytest.approx((total - len(res["prompts"])) / forwards)  # prefill's token excluded
         assert sum(m["accept_hist"]) == forwards
+        assert m["adaptive"] and sum(m["proposals"].values()) == pytest.approx(1.0)  # the Speculator's default
+        assert set(m["proposals"]) <= ({"plain", "heads", "lookup", "both"} if m["lookup"] else {"plain", "heads"})
         cost = m["cost_model"]
         assert cost["predicted_speedup"] == pytest.approx(
             m["tau"] * van["cost_model"]["step_ms"] / (cost["step_ms"] + cost["draft_ms"]))
@@ -151,6 +153,25 @@ def test_category_breakdown_and_reports(results, capsys):
         assert cell in md
     png = (out / "speedup.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_adaptive_both_adds_fixed_rows_and_each_method_is_compared_with_the_best_other(setup, tmp_path):
+    root, prompts, heads_a, _ = setup
+    rc = main(["--heads", str(heads_a), "--prompts", str(prompts), "--num_prompts", "3", "--max_new_tokens", "12",
+               "--output", str(tmp_path / "o"), "--tree", "default", "--lookup", "on", "--adaptive", "both"])
+    assert rc == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert list(res["methods"]) == ["vanilla", "prompt_lookup", "heads +lookup", "heads +lookup fixed"]
+    fixed, adaptive = res["methods"]["heads +lookup fixed"], res["methods"]["heads +lookup"]
+    assert fixed["adaptive"] is False and fixed["proposals"] is None and fixed["all_identical"]
+    assert adaptive["adaptive"] and adaptive["all_identical"]
+    for cat, by_method in list(res["categories"].items()) + [("all", res["methods"])]:
+        best = versus_best_other(by_method)
+        for name, x in best.items():
+            others = max(m["speedup"] for other, m in by_method.items() if other != name)
+            assert x == pytest.approx(by_method[name]["speedup"] / others), (cat, name)
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "over the best of the other methods'" in md and "| heads +lookup | " in md.split("share of decode")[1]
 
 
 def test_no_prompt_lookup_and_one_heads_dir_via_training_output_dir(setup, tmp_path, capsys):

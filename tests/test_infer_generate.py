@@ -13,7 +13,7 @@ from conftest import tiny_model
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
 from heads.chat import prompt_ids
-from inference.calibrate import CALIBRATION_SIZES, calibrate_tree, monotone_fit, read_accuracy
+from inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, monotone_fit, read_accuracy
 from inference.cpu_linear import projection
 from inference.decode import SamplingConfig, speculative_generate
 from inference.generate import Speculator, SpeculatorError, TextStream, main
@@ -295,14 +295,19 @@ def test_tree_auto_writes_tree_json_and_is_reused(saved, monkeypatch):
     spec = Speculator.from_pretrained(str(heads_dir), target=model, tree="auto")
     record = json.loads((heads_dir / "tree.json").read_text())
     assert record["accuracy_source"] == "default prior" and record["chosen_by"] == "measurement"
-    assert not record["noisy"] and record["rounds"] == 5 and record["device"] == "cpu" and record["threads"] == 1
+    assert not record["noisy"] and record["rounds"] == ROUNDS and record["device"] == "cpu" and record["threads"] == 1
     assert set(record["step_ms"]) == set(record["spread"]) == {str(n) for n in CALIBRATION_SIZES}
-    assert record["samples_ms"]["8"] == [18.0] * 5 and record["draft_samples_ms"] == {"0": [1.0] * 5}
+    assert record["samples_ms"]["8"] == [18.0] * ROUNDS and record["draft_samples_ms"] == {"0": [1.0] * ROUNDS}
+    assert record["draft_ratio"] == {"0": 1.0 / 11}
+    for n in CALIBRATION_SIZES:  # the adaptive policy's step cost is the measured curve, in one-token steps
+        assert spec.step_cost.ratio(n) == pytest.approx((10.0 + n) / 11)
+    assert spec.step_cost.draft_cost(5) == pytest.approx(1.0 / 11)
     best = max(record["expected_tokens_per_s"], key=lambda k: record["expected_tokens_per_s"][k])
     assert len(record["choices"]) + 1 == int(best) == spec.tree.size
     monkeypatch.setattr(calibrate_module, "time_ms", None)  # a reused tree.json is not timed again
     again = Speculator.from_pretrained(str(heads_dir), target=model)  # tree=None: reads tree.json
-    assert again.tree.parents == spec.tree.parents
+    assert again.tree.parents == spec.tree.parents and again.step_cost.points == spec.step_cost.points
+    assert again.step_cost.draft == spec.step_cost.draft
     default = Speculator.from_pretrained(str(heads_dir), target=model, tree="default")
     assert default.tree.size == 8
 
@@ -627,7 +632,7 @@ def test_root_only_tree_is_plain_decoding():
     model = tiny_model("llama", vocab_size=VOCAB, seed=1)
     spec = Speculator(model, random_heads(seed=2), choices=[])
     prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(16))
-    out = spec.generate(prompt, 20, stop_token_ids=[])
+    out = spec.generate(prompt, 20, stop_token_ids=[], adaptive=False)  # the fixed tree every step
     assert out.tokens == reference(model, prompt[None], 20)[0]
     assert spec.tree.size == 1 and out.stats.decode_forwards == 19 and out.stats.accept_hist == [19]
 
