@@ -35,10 +35,15 @@ Key = tuple
 # Target step cost by tokens verified over a one-token step, the README's "Measured" table (SmolLM2-135M, oneDNN
 # linears, 2 CPU cores): the curve used until `--tree auto` has measured this device's.
 PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
-# The heads' draft over a one-token step, by tree nodes (0: any size), the same table: Medusa with a draft
-# vocabulary (1.3 ms), an EAGLE-3 draft growing 8 nodes 4 deep (17.9 ms of an 81 ms step).
-PRIOR_DRAFT_RATIO = {0: 0.04}
+# The heads' draft over a one-token step, by tree nodes (0: any size), the same table: an EAGLE-3 draft growing 8
+# nodes 4 deep took 17.9 ms of an 81 ms step; Medusa heads 1.3 ms with an 8192-token draft vocabulary and 5.4 ms
+# with all 49152 tokens, of a 36 ms step (medusa_draft_prior).
 PRIOR_EAGLE_DRAFT_RATIO = {2: 0.06, 4: 0.12, 8: 0.22, 16: 0.3}
+
+
+def medusa_draft_prior(draft_vocab_fraction: float) -> dict[int, float]:
+    """Prior Medusa draft cost in one-token steps: the heads' blocks plus their share of the lm_head's rows."""
+    return {0: 0.012 + 0.14 * draft_vocab_fraction}
 # Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
 LOOKUP_PRIOR_FIRST = {1: 0.2, 2: 0.35, 3: 0.45}
 LOOKUP_PRIOR_NEXT = 0.7
@@ -91,7 +96,7 @@ class StepCost:
         base = dict(points).get(1, points[0][1])
         self.points = [(n, r / base) for n, r in points]  # relative to the one-token step
         self._ratios = [self._interpolate(n) for n in range(128)]  # looked up for the sizes a step can have
-        self.draft = dict(draft if draft is not None else PRIOR_DRAFT_RATIO)  # heads tree nodes (0: any) -> cost
+        self.draft = dict(draft if draft is not None else medusa_draft_prior(1.0))  # heads tree nodes (0: any) -> cost
 
     def ratio(self, n: int) -> float:
         """Piecewise-linear through the curve's points, extended along its last segment."""

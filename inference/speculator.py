@@ -20,7 +20,8 @@ from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  eagle_draft_timer, read_accuracy, stale_reason)
-from inference.adapt import PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates
+from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
+                             medusa_draft_prior)
 from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.eagle import EagleProposer, dynamic_config_from_choices
@@ -56,7 +57,9 @@ class Speculator:
         self.adaptive = adaptive  # each step verifies what inference/adapt.py expects to pay most (else: self.tree)
         self.adapt_config = AdaptConfig()
         self.is_eagle = str(heads.config.method).startswith("eagle")
-        self.step_cost = StepCost(None, PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else None)  # `--tree auto`: measured
+        scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
+        vocab_fraction = scored / heads.config.vocab_size
+        self.step_cost = StepCost(None, PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else medusa_draft_prior(vocab_fraction))
         self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
         share = not self.is_eagle and heads.config.share_lm_head
         # Medusa heads sharing the target's lm_head score its draft-vocabulary rows: sliced and packed once

@@ -128,6 +128,8 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         return args + ["--target", target, "--repeats", "2"]
     if module == "inference.acceptance":
         return args + ["--per_category", "1", "--max_new_tokens", "8"]
+    if module == "inference.replay":
+        return args + ["--per_category", "1", "--max_new_tokens", "8"]
     if module == "train.bench_selfdistill":
         return args + ["--target", target, "--num_prompts", "4", "--max_new_tokens", "8", "--batch_sizes", "2",
                        "--repeats", "1"]
@@ -202,6 +204,8 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert "method    batch  tok/s" in printed and "packed" in printed and "generate" in printed
     elif module == "inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
+    elif module == "inference.replay":
+        assert "| adaptive +lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "scripts.demo":
         from train.config import parse_config
 

@@ -1,0 +1,172 @@
+"""Replay decoding policies on the target's greedy outputs: modeled speedup per task family, without the wall clock.
+
+    python -m inference.replay --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 3
+
+Greedy speculative decoding emits exactly the target's greedy tokens, and Medusa heads draft from the target's
+hidden state at the last accepted token, which is the same along that one sequence whatever was verified before.
+So one greedy generation and one forward over it per prompt give every step's drafts, and any policy can be
+replayed exactly (a node is accepted when its path equals the reference continuation) at no further target cost.
+Each step is charged the step-cost curve of inference/adapt.py's StepCost (the heads' `--tree auto` calibration,
+else the priors) plus the heads' draft when they draft; modeled speedup = tokens / charged one-token steps, plain
+decoding = 1 per token. It ranks policies on a busy machine where the benchmark's wall clock cannot
+(inference/bench.py measures the real thing). Methods: HF-style prompt lookup (10 tokens after the latest 2-, else
+1-token match), the heads' fixed tree (alone, and with a context chain of its node count when the context repeats),
+and the adaptive policy (alone and +lookup). Medusa heads only (an EAGLE draft's tree depends on its own state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from inference.adapt import HEADS_RANKS, AdaptivePolicy, StepCost
+from inference.lookup import LookupConfig, chain_draft, lookup_continuation
+from inference.medusa import medusa_logits
+from inference.tree import Tree, static_tree_tokens, tree_from_choices
+
+PLD = LookupConfig(num_tokens=10, min_ngram=1, max_ngram=2)  # HF prompt lookup's defaults
+METHODS = ("prompt_lookup", "fixed", "fixed +lookup", "adaptive", "adaptive +lookup")
+
+
+def accepted_path(tree: Tree, tokens: list[int], reference: list[int], start: int) -> list[int]:
+    """Greedy acceptance against the reference: the deepest path whose node at depth d is reference[start + d - 1]."""
+    path, node = [0], 0
+    while True:
+        nxt = next((c for c in tree.children[node] if start + tree.depths[c] - 1 < len(reference)
+                    and tokens[c] == reference[start + tree.depths[c] - 1]), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        node = nxt
+
+
+def replay(method: str, seq: list[int], prompt_len: int, topk: torch.Tensor, cost: StepCost, fixed: Tree,
+           make_policy) -> tuple[int, float, int]:
+    """(tokens after the first, charged one-token steps, steps) of one method over one reference.
+    topk: [positions, depth, ranks] the heads' drafts when the root is seq[prompt_len + i]."""
+    i, charged, steps = prompt_len, 0.0, 0
+    policy = make_policy(method.endswith("+lookup")) if method.startswith("adaptive") else None
+    while i < len(seq) - 1:
+        context, root = seq[: i + 1], seq[i]
+        drafts = topk[i - prompt_len]
+        if policy is not None:
+            plan = policy.plan(context)
+            heads_tree = heads_tokens = None
+            if plan.heads_choices:
+                heads_tree = tree_from_choices(plan.heads_choices)
+                heads_tokens = static_tree_tokens(heads_tree, root, drafts)
+            tree, tokens, keys = policy.build(plan, root, heads_tree, heads_tokens)
+            path = accepted_path(tree, tokens.tolist(), seq, i + 1)
+            policy.observe(plan, tree, keys, path)
+            heads_nodes = len(plan.heads_choices) + 1 if plan.heads_choices else 0
+        else:
+            chain = []
+            if method == "prompt_lookup" or method == "fixed +lookup":
+                chain = lookup_continuation(context, PLD if method == "prompt_lookup"
+                                            else LookupConfig(num_tokens=fixed.size - 1))
+            if chain:
+                tree, tokens = chain_draft(root, chain)
+                heads_nodes = 0
+            elif method == "prompt_lookup":
+                tree, tokens, heads_nodes = tree_from_choices([]), torch.tensor([root]), 0
+            else:
+                tree, tokens, heads_nodes = fixed, static_tree_tokens(fixed, root, drafts), fixed.size
+            path = accepted_path(tree, tokens.tolist(), seq, i + 1)
+        charged += cost.cost(tree.size, heads_nodes)
+        steps += 1
+        i += len(path)
+    return min(i, len(seq) - 1) - prompt_len, charged, steps  # the last step's bonus may pass the reference's end
+
+
+@torch.no_grad()
+def references(spec, rows: Sequence, max_new_tokens: int) -> list[dict]:
+    """Per prompt: the target's greedy sequence and the heads' top-k drafts at every decode position."""
+    from heads.chat import prompt_ids, stop_token_ids
+
+    model, tokenizer = spec.model, spec.tokenizer
+    stops = stop_token_ids(tokenizer, model.generation_config)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    out = []
+    for row in rows:
+        ids = prompt_ids(tokenizer, row.turns[0], row.system)
+        if limit is not None and len(ids) + max_new_tokens > limit:
+            continue
+        seq = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops,
+                             pad_token_id=tokenizer.pad_token_id)[0].tolist()
+        hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]  # [L, h] final-norm
+        depth = spec.heads.config.num_heads
+        topk = torch.stack([spec.heads.to_target_ids(medusa_logits(spec.heads, hidden[j], depth, spec.draft_project)
+                                                     .topk(HEADS_RANKS, dim=-1).indices)
+                            for j in range(len(ids) - 1, len(seq) - 1)])  # [positions, depth, ranks]
+        out.append({"category": row.category or "other", "prompt_len": len(ids), "seq": seq, "topk": topk})
+    return out
+
+
+def modeled(spec, refs: list[dict]) -> dict:
+    """{method: {category | "all": {"speedup", "tau", "tokens"}}}."""
+    results: dict[str, dict] = {}
+    for method in METHODS:
+        sums: dict[str, list[float]] = {}
+        for ref in refs:
+            tokens, charged, steps = replay(method, ref["seq"], ref["prompt_len"], ref["topk"], spec.step_cost,
+                                            spec.tree, spec.make_policy)
+            for key in (ref["category"], "all"):
+                acc = sums.setdefault(key, [0, 0.0, 0])
+                acc[0], acc[1], acc[2] = acc[0] + tokens, acc[1] + charged, acc[2] + steps
+        order = [key for key in sums if key != "all"] + ["all"]
+        results[method] = {key: {"speedup": sums[key][0] / sums[key][1] if sums[key][1] else None,
+                                 "tau": sums[key][0] / sums[key][2] if sums[key][2] else None, "tokens": sums[key][0]}
+                           for key in order}
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from heads.prompts import PromptSourceError, load_prompts
+    from inference.decode import SpeculatorError
+    from inference.speculator import Speculator
+
+    parser = argparse.ArgumentParser(prog="python -m inference.replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--heads", required=True, help="a Medusa heads directory or Hub id")
+    parser.add_argument("--prompts", required=True, help="prompt source spec (heads/prompts.py)")
+    parser.add_argument("--per_category", type=int, default=3, help="prompts per family (a row's category)")
+    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--tree", default=None, help="the fixed tree, and --tree auto's step-cost curve (see bench)")
+    parser.add_argument("--output", default=None, help="write the table as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        spec = Speculator.from_pretrained(args.heads, tree=args.tree)
+        rows = load_prompts(args.prompts).rows
+    except (SpeculatorError, PromptSourceError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if spec.is_eagle:
+        print("error: replay needs Medusa heads (an EAGLE draft's tree depends on its own state): use "
+              "python -m inference.bench for EAGLE drafts", file=sys.stderr)
+        return 2
+    taken: dict[str, int] = {}
+    chosen = []
+    for row in rows:
+        key = row.category or "other"
+        if taken.get(key, 0) < args.per_category:
+            taken[key] = taken.get(key, 0) + 1
+            chosen.append(row)
+    results = modeled(spec, references(spec, chosen, args.max_new_tokens))
+    keys = list(next(iter(results.values())))
+    print("Modeled speedup over plain greedy (tau), replayed on the target's greedy outputs")
+    print("| method | " + " | ".join(keys) + " |")
+    print("|---|" + "---:|" * len(keys))
+    for method, by_key in results.items():
+        print(f"| {method} | " + " | ".join(f"{v['speedup']:.2f}x ({v['tau']:.2f})" for v in by_key.values()) + " |")
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
