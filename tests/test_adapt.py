@@ -116,7 +116,8 @@ def test_useless_lookup_is_dropped_for_the_heads():
 
 
 def test_two_sources_right_half_the_time_each_are_verified_together():
-    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.5, 0.2]] * 3, heads_depth=3, lookup=True)
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.5, 0.2]] * 3, heads_depth=3, lookup=True,
+                            cost=StepCost(None, {0: 0.04}))  # a draft-vocabulary Medusa draft's cost
     history = simulate(policy, 40, lambda step, depth, rank: rank == 0 and step % 2 == 0,
                        lambda step, branch, pos: branch == 0 and step % 2 == 1, context=REPEATING)
     late = [plan.kind for plan, _ in history[10:]]
