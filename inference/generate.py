@@ -1,7 +1,7 @@
 """The command line: chat-render a prompt, decode it with a heads directory's `Speculator`, stream the text.
 
     python -m inference.generate --heads DIR_OR_ID --prompt "Hi!" --max_new_tokens 64 [--temperature 0.7] \
-        [--tree auto|default|PATH] [--no_lookup]
+        [--tree auto|default|PATH] [--no_lookup] [--fixed_tree]
 
 It prints tau (tokens per target forward) and tokens/s at the end. The Python entry point is re-exported here:
 `from inference.generate import Speculator` (inference/speculator.py).
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is often faster)")
     parser.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
+    parser.add_argument("--fixed_tree", action="store_true", help="verify the tree every step instead of adapting "
+                                                                  "what to verify to what is accepted (inference/adapt.py)")
     parser.add_argument("--no_lookup", action="store_true", help="draft with the heads only, never from repeats in the "
                                                                  "context (inference/lookup.py)")
     args = parser.parse_args(argv)
@@ -74,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         stream = TextStream(spec.tokenizer)
         out = spec.generate(ids, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             acceptance="typical" if args.typical else "auto", seed=args.seed, on_tokens=stream,
-                            lookup=not args.no_lookup)
+                            lookup=not args.no_lookup, adaptive=not args.fixed_tree)
         stream.end()
     except (SpeculatorError, TargetLoadError) as err:  # a bad --heads / --tree / --target / prompt
         print(f"error: {err}", file=sys.stderr)
         return 2
     s = out.stats
+    steps = (", steps " + ", ".join(f"{kind} {n}" for kind, n in sorted(s.proposals.items()))) if s.proposals else ""
     print(f"\n\n{s.new_tokens} tokens, tau {s.tau:.2f} (tokens per target forward), {s.tokens_per_s:.1f} tokens/s, "
-          f"tree {spec.tree_size} nodes, {s.lookup_steps} of {s.decode_forwards} steps drafted from the context, "
+          f"tree {spec.tree_size} nodes{steps}, {s.lookup_steps} of {s.decode_forwards} steps drafted from the context, "
           f"draft {s.draft_s:.2f} s, verify {s.verify_s:.2f} s, prefill {s.prefill_s:.2f} s", file=sys.stderr)
     return 0
 

@@ -333,6 +333,10 @@ def test_cli_streams_and_reports(saved, capsys):
     tok = _tokenizer()  # the CLI's stop token is the tokenizer's and the target's EOS, "w2"
     want = reference(model, torch.tensor([prompt_ids(tok, "w5 w6 w7 w8")]), 12, eos=tok.eos_token_id)[0]
     assert len(want) > 3 and captured.out == tok.decode(want, skip_special_tokens=True)  # stdout: the streamed answer
+    assert ", steps " in captured.err  # adaptive by default: the steps per choice
+    rc = main(["--heads", str(heads_dir), "--prompt", "w5 w6 w7 w8", "--max_new_tokens", "12", "--fixed_tree"])
+    captured = capsys.readouterr()
+    assert rc == 0 and ", steps " not in captured.err and captured.out == tok.decode(want, skip_special_tokens=True)
     rc = main(["--heads", str(heads_dir / "missing"), "--prompt", "w5", "--max_new_tokens", "4"])
     assert rc == 2 and "no such directory" in capsys.readouterr().err
     rc = main(["--heads", str(heads_dir), "--prompt", "w5", "--max_new_tokens", "0"])
