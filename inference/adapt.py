@@ -45,10 +45,10 @@ def medusa_draft_prior(draft_vocab_fraction: float) -> dict[int, float]:
     """Prior Medusa draft cost in one-token steps: the heads' blocks plus their share of the lm_head's rows."""
     return {0: 0.012 + 0.14 * draft_vocab_fraction}
 # Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
-LOOKUP_PRIOR_FIRST = {1: 0.2, 2: 0.35, 3: 0.45}
+LOOKUP_PRIOR_FIRST = {1: 0.3, 2: 0.5, 3: 0.6}
 LOOKUP_PRIOR_NEXT = 0.7
 HEADS_RANKS = 4  # ranks per depth the heads' trees may use
-MAX_PROBE_GAP = 2  # failed probes stretch the wait for the next one up to this many times probe_every
+MAX_PROBE_GAP = 8  # failed probes stretch the wait for the next one up to this many times probe_every
 
 
 @dataclass
