@@ -6,6 +6,7 @@ earlier, smaller version of the recipe: 3 heads sharing the target's lm_head, fu
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from heads.chat import prompt_ids
@@ -13,6 +14,8 @@ from heads.prompts import load_prompts
 from inference.generate import Speculator
 
 HEADS = Path(__file__).parent / "data" / "smollm2-135m-medusa"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: steady on a shared 2-core machine
 
 
 def test_trained_heads_are_exact_on_20_heldout_prompts(embedded_target):
