@@ -101,8 +101,9 @@ def references(spec, rows: Sequence, max_new_tokens: int) -> list[dict]:
                              pad_token_id=tokenizer.pad_token_id)[0].tolist()
         hidden = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]  # [L, h] final-norm
         depth = spec.heads.config.num_heads
+        ranks = max(HEADS_RANKS, max(spec.tree.ranks) + 1)  # the adaptive trees' and the fixed tree's (tree.json)
         topk = torch.stack([spec.heads.to_target_ids(medusa_logits(spec.heads, hidden[j], depth, spec.draft_project)
-                                                     .topk(HEADS_RANKS, dim=-1).indices)
+                                                     .topk(ranks, dim=-1).indices)
                             for j in range(len(ids) - 1, len(seq) - 1)])  # [positions, depth, ranks]
         out.append({"category": row.category or "other", "prompt_len": len(ids), "seq": seq, "topk": topk})
     return out

@@ -232,9 +232,10 @@ def docs_target(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A scratch directory that sees the repo's recipes, as a user's checkout would."""
+    """A scratch directory that sees the repo's recipes and test data, as a user's checkout would."""
     path = tmp_path_factory.mktemp("docs")
     (path / "recipes").symlink_to(ROOT / "recipes")
+    (path / "tests").symlink_to(ROOT / "tests")
     return path
 
 
