@@ -39,9 +39,9 @@ def join_continuations(lines: list[str]) -> list[str]:
     return [line for line in out if line]
 
 
-def readme_commands() -> list[str]:
-    """Shell commands of the README's ```bash blocks, then its inline `python ...` / `accelerate launch ...`."""
-    text = (ROOT / "README.md").read_text()
+def readme_commands(path: Path = ROOT / "README.md") -> list[str]:
+    """Shell commands of a page's ```bash blocks, then its inline `python ...` / `accelerate launch ...`."""
+    text = path.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         commands += join_continuations(block.splitlines())
@@ -85,6 +85,8 @@ def demo_commands() -> list[str]:
 def all_commands() -> list[tuple[str, str]]:
     """(where shown, command), each distinct command once, in the order a reader meets them."""
     out = [("README", c) for c in readme_commands()]
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        out += [(str(path.relative_to(ROOT)), c) for c in readme_commands(path)]
     for path in sorted((ROOT / "recipes").rglob("*.yaml")):
         out += [(str(path.relative_to(ROOT)), c) for c in recipe_commands(path)]
     out += [("make demo", c) for c in demo_commands()]
