@@ -134,7 +134,6 @@ class Plan:
     lookup_depth: int
     ngram: int = 0
     trie: list[tuple[int, int, list[Key], int]] = field(default_factory=list)  # AdaptivePolicy._lookup_trie's
-    expected_tokens: float = 1.0
     probes: list[str] = field(default_factory=list)  # sources verified only as a probe ("heads", "lookup")
 
     @property
@@ -230,20 +229,19 @@ class AdaptivePolicy:
                 rate = (1.0 + h[1] + lk[1]) / self.cost.cost(1 + len(h[0]) + lk[2], heads_nodes)
                 if rate > best_rate:
                     best, best_rate = (h, lk), rate
-        (choices, heads_gain), (depth, lookup_gain, _) = best
+        (choices, _), (depth, _, _) = best
         probes = []
         if len(heads) > 1 and not choices and self.unverified["heads"] >= self.probe_gap["heads"]:
-            choices, heads_gain = [[0]], self.rates.rate(("heads", 0, 0))  # the heads' top-1 guess decides
+            choices = [[0]]  # the heads' top-1 guess decides
             probes.append("heads")
         if len(lookups) > 1 and not depth and self.unverified["lookup"] >= self.probe_gap["lookup"]:
-            depth, lookup_gain, _ = lookups[min(2, len(lookups) - 1)]
+            depth = lookups[min(2, len(lookups) - 1)][0]
             probes.append("lookup")
         for source, used, possible in (("heads", choices, len(heads) > 1), ("lookup", depth, len(lookups) > 1)):
             self.unverified[source] = 0 if used or not possible else self.unverified[source] + 1
             if used and source not in probes:
                 self.probe_gap[source] = cfg.probe_every
-        return Plan(heads_choices=choices, lookup_depth=depth, ngram=ngram, trie=trie,
-                    expected_tokens=1.0 + heads_gain + lookup_gain, probes=probes)
+        return Plan(heads_choices=choices, lookup_depth=depth, ngram=ngram, trie=trie, probes=probes)
 
     def build(self, plan: Plan, root: int, heads_tree: Tree | None = None,
               heads_tokens: torch.Tensor | None = None) -> tuple[Tree, torch.Tensor, list[list[Key]]]:

@@ -178,8 +178,6 @@ def speculative_generate(
 
     while not stopped and len(emitted) < max_new_tokens:
         t0 = time.perf_counter()
-        chain = lookup_continuation(context, lookup) if policy is None and lookup is not None \
-            and lookup.num_tokens > 0 else []
         if policy is not None:
             plan = policy.plan(context)
             heads_tree = heads_tokens = None
@@ -190,12 +188,14 @@ def speculative_generate(
                 taps = None  # handed over
             tree, tokens, keys = policy.build(plan, root, heads_tree, heads_tokens)
             stats.lookup_steps += plan.lookup_depth > 0
-        elif chain:
-            tree, tokens = chain_draft(root, chain)
-            stats.lookup_steps += 1
         else:
-            tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
-            taps = None  # handed over
+            chain = lookup_continuation(context, lookup) if lookup is not None and lookup.num_tokens > 0 else []
+            if chain:
+                tree, tokens = chain_draft(root, chain)
+                stats.lookup_steps += 1
+            else:
+                tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
+                taps = None  # handed over
         t1 = time.perf_counter()
         mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
         positions = tree.position_ids(prefix_len, device=device)  # [1, N]

@@ -56,6 +56,8 @@ class Speculator:
         self.exact = exact  # verify each node with a one-token step's attention (half precision: plain greedy's output)
         self.adaptive = adaptive  # each step verifies what inference/adapt.py expects to pay most (else: self.tree)
         self.adapt_config = AdaptConfig()
+        accuracy = read_accuracy(heads_dir) if heads_dir is not None else None  # read once, not per generation
+        self.heads_prior = conditional_rates(accuracy) if accuracy else None  # the adaptive policy's prior rates
         self.is_eagle = str(heads.config.method).startswith("eagle")
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
         vocab_fraction = scored / heads.config.vocab_size
@@ -199,9 +201,7 @@ class Speculator:
     def make_policy(self, lookup: bool) -> AdaptivePolicy:
         """A fresh adaptive policy for one generation: the heads' recorded accuracies as its prior, this device's
         step-cost curve when `--tree auto` measured one."""
-        accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        prior = conditional_rates(accuracy) if accuracy else None
-        return AdaptivePolicy(self.adapt_config, prior, self.max_depth, lookup, self.step_cost)
+        return AdaptivePolicy(self.adapt_config, self.heads_prior, self.max_depth, lookup, self.step_cost)
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,
