@@ -1,6 +1,10 @@
-"""Every command README.md, each recipe's header and `make demo` show is run here, so the docs cannot drift.
+"""Every command README.md, the pages in docs/, each recipe's header and `make demo` show is run here, so the docs
+cannot drift; every relative link and repo path they name must exist.
 
-Commands run in order in one scratch directory (so `runs/...` written by one feeds the next, as for a user),
+A page's commands are the lines of its ```bash blocks and its inline `python ...` / `accelerate launch ...` spans
+(`pip ...` and `make ...` lines are .ci/run's; ```sh and ```text blocks are shown, not run: another environment's
+setup, an engine's command line). Commands run in reading order (README, then docs/ in DOC_ORDER, the recipes,
+`make demo`) in one scratch directory (so `runs/...` written by one feeds the next, as for a user),
 in-process, on a tiny target with a few prompts and steps: flags appended at the end override the shown ones
 (the scripts take the last value). An `accelerate launch` command has its launcher flags parsed by accelerate's
 own parser (the config file must exist) and its script run in this process: the GPU launches (8 GPUs,
@@ -82,10 +86,22 @@ def demo_commands() -> list[str]:
     return commands
 
 
+# The docs pages in reading order: a page's commands may use what an earlier page's commands wrote (`runs/...`).
+# A page not named here comes after these, by name.
+DOC_ORDER = ("data", "training", "heads_training", "generation", "benchmark", "serving", "half_precision", "measured",
+             "design", "safety")
+
+
+def doc_pages() -> list[Path]:
+    """docs/*.md in DOC_ORDER, then any other page by name."""
+    order = {name: i for i, name in enumerate(DOC_ORDER)}
+    return sorted((ROOT / "docs").glob("*.md"), key=lambda p: (order.get(p.stem, len(order)), p.name))
+
+
 def all_commands() -> list[tuple[str, str]]:
     """(where shown, command), each distinct command once, in the order a reader meets them."""
     out = [("README", c) for c in readme_commands()]
-    for path in sorted((ROOT / "docs").glob("*.md")):
+    for path in doc_pages():
         out += [(str(path.relative_to(ROOT)), c) for c in readme_commands(path)]
     for path in sorted((ROOT / "recipes").rglob("*.yaml")):
         out += [(str(path.relative_to(ROOT)), c) for c in recipe_commands(path)]
@@ -303,3 +319,45 @@ def test_readme_install_lines_are_what_ci_and_make_setup_run():
 def test_every_recipe_header_shows_a_command():
     for path in sorted((ROOT / "recipes").rglob("*.yaml")):
         assert recipe_commands(path), f"{path} shows no launch command in its header"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# links and paths: nothing the docs name may be missing from the repo
+
+PAGES = [ROOT / "README.md", *doc_pages()]
+REPO_PATH = re.compile(r"(?:heads|train|inference|tests|recipes|scripts|docs)/[\w./-]*")  # a repo path in backticks
+
+
+def prose(text: str) -> str:
+    """The page without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", prose(page.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        out.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_docs_links_and_paths_exist(page):
+    text = prose(page.read_text())
+    missing = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            missing.append(f"link {link}: no {path}")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            missing.append(f"link {link}: no heading #{anchor} in {target.relative_to(ROOT)}")
+    for span in re.findall(r"`([^`\n]+)`", text):
+        if REPO_PATH.fullmatch(span) and not (ROOT / span).exists():
+            missing.append(f"`{span}`: no such file in the repo")
+    assert not missing, f"{page.relative_to(ROOT)}: " + "; ".join(missing)
