@@ -174,3 +174,10 @@ def parse_config(cls: type[T], argv: list[str] | None = None) -> T:
     except ValueError as err:  # HfArgumentParser's message for leftover arguments
         raise ConfigError(f"{err}; run with --help to list the flags of {cls.__name__}") from err
     return cfg
+
+
+def build_config(cls: type[T], recipe: str | None = None, **overrides) -> T:
+    """A config without a command line (a script running another script's job): dataclass defaults < the recipe YAML
+    < overrides, the recipe checked as parse_config checks it."""
+    values = load_recipe(recipe, cls) if recipe else {}
+    return cls(**{**values, **overrides, "config": recipe})
