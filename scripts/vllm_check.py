@@ -193,7 +193,7 @@ def fold_error(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from heads.export import fold_fc_bias
+    from heads.export_formats import fold_fc_bias
     from heads.load import load_heads
     from heads.target import load_target
 

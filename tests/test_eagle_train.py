@@ -21,8 +21,10 @@ from heads.load import load_heads
 from heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
 from train.config import ConfigError, parse_config
-from train.eagle import (EagleTrainConfig, FeatureSource, check_config, draft_loss, init_from_target, main,
-                         prepare_batch, step_valid, supervised_token_counts, target_features, unroll)
+from train.data import supervised_token_counts
+from train.eagle import EagleTrainConfig, check_config, draft_loss, init_from_target, main, prepare_batch, step_valid
+from train.eagle_unroll import unroll
+from train.features import FeatureSource, target_features
 
 REPO = Path(__file__).resolve().parents[1]
 

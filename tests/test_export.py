@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from heads.eagle import EagleDraft, eagle_config_for
-from heads.export import ExportError, export_and_push, export_heads, fold_fc_bias, main, target_hub_id
+from heads.export import ExportError, export_and_push, export_heads, main
+from heads.export_formats import fold_fc_bias, target_hub_id
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import EMBEDDED_HUB_ID, target_info
 

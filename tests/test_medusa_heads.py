@@ -14,7 +14,8 @@ from heads.load import load_heads, load_heads_and_target
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target, target_info
 from train.data import DataError, collate, shard_epoch, shifted_labels, split_eval, truncate_rows
-from train.medusa import final_hidden, head_targets, target_probs, weighted_head_ce
+from train.features import final_hidden
+from train.medusa import head_targets, target_probs, weighted_head_ce
 
 from conftest import tiny_model
 

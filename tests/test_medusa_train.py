@@ -120,12 +120,29 @@ def test_soft_labels_and_prompt_positions_train(tiny_target_dir, sd_dir, tmp_pat
         main(base_args(tiny_target_dir, sd_dir, tmp_path / "bad", "--supervise_prompt", "true"))
 
 
-def test_feature_cache_matches_online_features(tiny_target_dir, sd_dir, tmp_path):
+def test_feature_cache_matches_online_features(tiny_target_dir, sd_dir, tmp_path, capsys):
+    """In memory and on disk: the same per-row features, so exactly the same heads; both match online training.
+    The disk cache holds the final hidden state alone (train/features.py), written once and then reused."""
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "a", "--num_epochs", "2"))
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "b", "--num_epochs", "2", "--feature_cache", "true"))
     a, b = heads_state(tmp_path / "a"), heads_state(tmp_path / "b")
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-4, rtol=1e-4)
+    cache = tmp_path / "cache"
+    with_cache = ["--feature_cache_dir", cache, "--feature_cache_shard_rows", "10"]
+    built = main(base_args(tiny_target_dir, sd_dir, tmp_path / "x", *with_cache, "--build_cache_only", "true"))
+    assert built["rows"] == 24 and not (tmp_path / "x" / "heads").exists()
+    assert "3 to write" in capsys.readouterr().out  # 24 rows (20 train + 4 held out), 10 per shard
+    from safetensors import safe_open
+
+    with safe_open(str(cache / "shard-00000.safetensors"), framework="pt") as shard:
+        assert set(shard.keys()) == {"final", "offsets"}  # Medusa reads the final state: no taps stored
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "c", "--num_epochs", "2", *with_cache))
+    assert "0 to write" in capsys.readouterr().out
+    c = heads_state(tmp_path / "c")
+    assert all(torch.equal(c[name], b[name]) for name in b)
+    with pytest.raises(ConfigError, match="frozen target"):
+        main(base_args(tiny_target_dir, sd_dir, tmp_path / "y", "--method", "medusa2", *with_cache))
 
 
 def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path):

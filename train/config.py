@@ -20,6 +20,8 @@ from typing import Optional, TypeVar
 import yaml
 from transformers import HfArgumentParser
 
+from heads.target import resolve_dtype
+
 T = TypeVar("T")
 
 
@@ -44,7 +46,12 @@ class TrainRunConfig:
     max_length: int = 512  # tokens per row (longer rows are cut)
     eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
     train_rows: int = -1  # > 0: train on only the first train_rows rows (data-scaling runs; eval rows unchanged)
+    # the target's features (train/features.py): online, in memory (feature_cache), or on disk (feature_cache_dir)
     feature_cache: bool = False  # keep each row's target features in memory after their first use
+    feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
+    feature_cache_dtype: str = "auto"  # auto = the target's dtype (exactly what online training sees)
+    feature_cache_shard_rows: int = 64  # rows per cache file
+    build_cache_only: bool = False  # write feature_cache_dir, then stop
     # optimisation
     per_device_batch_size: int = 4
     gradient_accumulation_steps: int = 1
@@ -82,6 +89,18 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
             raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
     if not 0 <= cfg.warmup_ratio < 1 or cfg.weight_decay < 0:
         raise ConfigError(f"warmup_ratio must be in [0, 1) and weight_decay >= 0, got {cfg.warmup_ratio}, {cfg.weight_decay}")
+    if cfg.feature_cache and cfg.feature_cache_dir:
+        raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
+    if cfg.build_cache_only and not cfg.feature_cache_dir:
+        raise ConfigError("build_cache_only needs feature_cache_dir")
+    if cfg.feature_cache_shard_rows < 1:
+        raise ConfigError(f"feature_cache_shard_rows must be >= 1, got {cfg.feature_cache_shard_rows}")
+    for name in ("dtype", "feature_cache_dtype"):
+        if getattr(cfg, name) != "auto":
+            try:
+                resolve_dtype(getattr(cfg, name))
+            except ValueError as err:
+                raise ConfigError(f"{name}: {err}") from err
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir {cfg.output_dir} is a file, not a directory: pass another --output_dir")
@@ -155,3 +174,10 @@ def parse_config(cls: type[T], argv: list[str] | None = None) -> T:
     except ValueError as err:  # HfArgumentParser's message for leftover arguments
         raise ConfigError(f"{err}; run with --help to list the flags of {cls.__name__}") from err
     return cfg
+
+
+def build_config(cls: type[T], recipe: str | None = None, **overrides) -> T:
+    """A config without a command line (a script running another script's job): dataclass defaults < the recipe YAML
+    < overrides, the recipe checked as parse_config checks it."""
+    values = load_recipe(recipe, cls) if recipe else {}
+    return cls(**{**values, **overrides, "config": recipe})

@@ -26,8 +26,7 @@ inference), loss sum_i ttt_decay^i soft-CE(target probs over the draft vocabular
 argmax lies outside the draft vocabulary masked. The draft vocabulary is the `draft_vocab_size` most frequent
 target-written tokens of the training rows; the draft's lm_head and norm start from the target's.
 
-Target features: online (target in the loop), in memory after first use (`feature_cache: true`), or from an offline
-cache on disk (`feature_cache_dir`: sharded safetensors files in the target's dtype, written once, resumable).
+Target features: online, in memory or from an offline cache on disk (train/features.py).
 The loss is a mean over supervised positions of the whole global batch (per unrolled step), so N processes x batch b
 give the same loss and gradients as 1 process x batch N*b.
 
@@ -43,26 +42,19 @@ positions); EAGLE-3: `draft_vocab_coverage` (share of held-out supervised tokens
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from torch import nn
-from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
-from heads.target import resolve_dtype
-from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
-from train.data import DataError, collate, pad_features, shifted_labels, supervised_token_counts
 from train.cli import run_main
+from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
+from train.data import collate, shifted_labels, supervised_token_counts
+from train.eagle_unroll import UnrolledDraft
+from train.features import FeatureSource, open_feature_source
 from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
 
 
@@ -87,29 +79,19 @@ class EagleTrainConfig(TrainRunConfig):
     norm_before_residual: Optional[bool] = None  # the residual around the attention is hidden_norm(feature)
     norm_output: Optional[bool] = None  # feed norm(output) back as the next step's feature
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
-    # features on disk (feature_cache keeps them in memory instead)
-    feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
-    feature_cache_dtype: str = "auto"  # auto = the target's dtype (exactly what online training sees)
-    feature_cache_shard_rows: int = 64  # rows per cache file
-    build_cache_only: bool = False  # write feature_cache_dir, then stop
     # optimiser
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
 
 
-# eagle3 with the norm flags unset: all three RMSNorms on (speculators' default draft). On the demo's 384 rows, 180
-# steps, they lifted held-out top-1 from .377 / .256 / .225 to .398 / .353 / .346 by depth and held-out-family tau
-# from 1.46 to 1.51 (docs/heads_training.md). A heads dir saved without the keys loads as norms off (heads/eagle.py).
+# eagle3 with the norm flags unset: all three RMSNorms on (speculators' default draft), since they raise the held-out
+# accuracy at every depth (docs/heads_training.md). A heads dir saved without the keys loads as norms off (heads/eagle.py).
 DEFAULT_NORMS = {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True}
 
 
 def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     """Validate, and return a copy with the method-dependent defaults (None / 0) filled in."""
     check_run_config(cfg, ("eagle", "eagle3"))
-    if cfg.feature_cache and cfg.feature_cache_dir:
-        raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
-    if cfg.build_cache_only and not cfg.feature_cache_dir:
-        raise ConfigError("build_cache_only needs feature_cache_dir")
     if cfg.method == "eagle" and cfg.draft_vocab_size:
         raise ConfigError("EAGLE-1 drafts over the target's whole vocabulary (its lm_head): draft_vocab_size needs method eagle3")
     eagle3 = cfg.method == "eagle3"
@@ -121,140 +103,7 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
                           "use method: eagle3")
     if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
-    resolve_dtype(cfg.dtype if cfg.dtype != "auto" else "float32")
-    if cfg.feature_cache_dtype != "auto":
-        resolve_dtype(cfg.feature_cache_dtype)
     return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt), **norms)
-
-
-# ----------------------------------------------------------------------------------------------------
-# target features
-
-
-@torch.no_grad()
-def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft's inputs from the frozen target: taps [B, T, n*h] = cat(hidden_states[i] for i in feature_layers)
-    and the final-norm hidden state [B, T, h] (= hidden_states[L]; the target's logits are lm_head of it)."""
-    hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                                  use_cache=False).hidden_states  # L + 1 tensors [B, T, h]
-    return torch.cat([hidden[i] for i in feature_layers], dim=-1), hidden[-1]
-
-
-class FeatureSource:
-    """Per-batch target features, computed online, kept in memory per row, or read from an offline cache on disk.
-
-    Row ids: training rows 0..n_train-1, held-out rows n_train.. (in the order of `rows`).
-    """
-
-    def __init__(self, target, rows: list[dict], feature_layers: list[int], mode: str = "online",
-                 cache_dir: Path | None = None, cache_dtype: torch.dtype | None = None, shard_rows: int = 64):
-        self.target, self.rows, self.layers, self.mode = target, rows, feature_layers, mode
-        self.taps_are_final = feature_layers == [target.config.get_text_config().num_hidden_layers]
-        self.memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.cache_dir, self.cache_dtype, self.shard_rows = cache_dir, cache_dtype, shard_rows
-        self._open: dict[int, tuple] = {}
-
-    def row(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(taps [T_r, n*h], final [T_r, h]) of row r, computed alone (no padding: the same values in any batch)."""
-        if self.mode == "disk":
-            return self._read(r)
-        if r not in self.memory:
-            out = self.compute(r)
-            if self.mode != "memory":
-                return out
-            self.memory[r] = out
-        return self.memory[r]
-
-    def compute(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.as_tensor(self.rows[r]["input_ids"], device=self.target.device)[None]
-        taps, final = target_features(self.target, ids, torch.ones_like(ids), self.layers)
-        return taps[0], final[0]
-
-    def batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch (collated, with `rows`) -> taps [B, T, n*h], final [B, T, h] on the target's device and dtype."""
-        if self.mode == "online":
-            return target_features(self.target, batch["input_ids"], batch["attention_mask"], self.layers)
-        per_row = [self.row(r) for r in batch["rows"].tolist()]
-        T = batch["input_ids"].shape[1]
-        device, dtype = batch["input_ids"].device, self.target.dtype
-        return (pad_features([t for t, _ in per_row], T).to(device, dtype),
-                pad_features([f for _, f in per_row], T).to(device, dtype))
-
-    # ---- offline cache: shard k holds rows [k*S, (k+1)*S): taps (unless they are the final state), final, offsets
-    def shard_path(self, k: int) -> Path:
-        return self.cache_dir / f"shard-{k:05d}.safetensors"
-
-    @property
-    def num_shards(self) -> int:
-        return math.ceil(len(self.rows) / self.shard_rows)
-
-    def _read(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from safetensors import safe_open
-
-        k, j = divmod(r, self.shard_rows)
-        if k not in self._open:
-            handle = safe_open(str(self.shard_path(k)), framework="pt", device="cpu")
-            self._open[k] = (handle, handle.get_tensor("offsets").tolist())
-        handle, offsets = self._open[k]
-        a, b = offsets[j], offsets[j + 1]
-        final = handle.get_slice("final")[a:b]
-        taps = final if self.taps_are_final else handle.get_slice("taps")[a:b]
-        return taps, final
-
-    def write_shard(self, k: int) -> None:
-        from safetensors.torch import save_file
-
-        rows = range(k * self.shard_rows, min((k + 1) * self.shard_rows, len(self.rows)))
-        computed = [self.compute(r) for r in rows]
-        lengths = [f.shape[0] for _, f in computed]
-        tensors = {"final": torch.cat([f for _, f in computed]).to("cpu", self.cache_dtype).contiguous(),
-                   "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)}
-        if not self.taps_are_final:
-            tensors["taps"] = torch.cat([t for t, _ in computed]).to("cpu", self.cache_dtype).contiguous()
-        tmp = self.shard_path(k).with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(self.shard_path(k))  # atomic: a shard file is complete or absent
-
-
-def cache_identity(rows: list[dict], info, feature_layers: list[int], dtype: torch.dtype, shard_rows: int) -> dict:
-    """What an offline cache was written for; a cache that differs in any field is refused."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row["input_ids"]).encode())
-    return {"target_fingerprint": info.fingerprint, "feature_layers": feature_layers, "dtype": str(dtype).split(".")[-1],
-            "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows), "rows_sha256": digest.hexdigest()[:16],
-            "shard_rows": shard_rows}
-
-
-def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, accelerator: Accelerator) -> None:
-    """Write the missing shards (each process writes every N-th shard); reuse the ones already written."""
-    cache_dir = source.cache_dir
-    meta_file = cache_dir / "cache.json"
-    if meta_file.is_file():
-        written_for = json.loads(meta_file.read_text())["identity"]
-        if written_for != identity:
-            diff = sorted(k for k in identity if written_for.get(k) != identity[k])
-            raise ConfigError(f"the feature cache in {cache_dir} was written for other rows, target or settings "
-                              f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
-    per_token = hidden + (0 if source.taps_are_final else len(source.layers) * hidden)  # the final state, the taps
-    size = identity["tokens"] * per_token * torch.finfo(source.cache_dtype).bits // 8
-    missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
-    accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
-                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({source.num_shards} shards, {len(missing)} to write)")
-    if not missing:
-        return
-    if accelerator.is_main_process:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(cache_dir).free
-        if size * len(missing) / source.num_shards > free:
-            raise DataError(f"the feature cache needs about {size / 2**30:.2f} GiB; {cache_dir} has {free / 2**30:.2f} GiB free")
-        meta_file.write_text(json.dumps({"identity": identity, "bytes_estimate": size}, indent=2))
-    accelerator.wait_for_everyone()
-    mine = missing[accelerator.process_index :: accelerator.num_processes]
-    for k in tqdm(mine, desc="feature cache", disable=not accelerator.is_main_process):
-        source.write_shard(k)
-    accelerator.wait_for_everyone()
 
 
 def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, seed: int, step: int) -> torch.Tensor:
@@ -265,65 +114,6 @@ def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, see
         g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + r)
         out[b, :n] = (torch.rand(n, width, generator=g) * 2 - 1) * scale
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# the unrolled draft (training-time test)
-
-
-def ttt_mask(key_valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, T, (step+1)*T] for unrolled step `step` over the keys of steps 0..step (concatenated).
-
-    Query t sees step 0's keys at positions s <= t - step (the true prefix of its chain's root) and, for
-    1 <= j <= step, step j's key at s = t - step + j (its ancestors in the chain, itself last). key_valid [B, T] bool
-    blocks padded keys (a query's own key stays visible, so no row is fully masked).
-    """
-    B, T = key_valid.shape
-    t = torch.arange(T, device=key_valid.device)[:, None]
-    s = torch.arange(T, device=key_valid.device)[None, :]
-    allowed = torch.cat([s <= t - step] + [s == t - step + j for j in range(1, step + 1)], dim=1)  # [T, (step+1)T]
-    allowed = allowed[None] & key_valid.repeat(1, step + 1)[:, None, :]  # [B, T, (step+1)T]
-    allowed[:, :, step * T :] |= torch.eye(T, dtype=torch.bool, device=key_valid.device)
-    mask = torch.zeros(B, 1, T, (step + 1) * T, dtype=dtype, device=key_valid.device)
-    return mask.masked_fill(~allowed[:, None], torch.finfo(dtype).min)
-
-
-def unroll(draft: EagleDraft, embeds: torch.Tensor, features: torch.Tensor, key_valid: torch.Tensor,
-           steps: int) -> list[torch.Tensor]:
-    """Run the draft `steps` times, each step on the previous step's outputs shifted by one position.
-
-    embeds [B, T, h] (embedding of x_{t+1} at t), features [B, T, h] (fused f_t), key_valid [B, T] -> `steps` x [B, T, h];
-    step i's output at t is the depth-(i+1) draft state of the chain rooted at t - i (valid for t >= i).
-    """
-    B, T, _ = embeds.shape
-    position_ids = torch.arange(T, device=embeds.device).expand(B, T)
-    device_type = embeds.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else embeds.dtype
-    cache = DynamicCache()
-    outs = []
-    for i in range(steps):
-        out = draft(embeds, features, position_ids, ttt_mask(key_valid, i, dtype), cache)  # [B, T, h]
-        outs.append(out)
-        features = F.pad(out[:, :-1], (0, 0, 1, 0))  # step i+1 at t reads step i's output at t-1
-    return outs
-
-
-class UnrolledDraft(nn.Module):
-    """The draft and its unroll as one module, so DDP sees one forward per backward."""
-
-    def __init__(self, draft: EagleDraft):
-        super().__init__()
-        self.draft = draft
-
-    def forward(self, embeds: torch.Tensor, taps: torch.Tensor, key_valid: torch.Tensor, select: torch.Tensor,
-                steps: int, lm_head_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> outputs [S, N, h] and logits [S, N, draft_vocab] at the N positions of `select` [B, T] (bool)."""
-        dtype = self.draft.fc.weight.dtype  # the target's features and embeddings may be bf16
-        outs = unroll(self.draft, embeds.to(dtype), self.draft.fuse(taps.to(dtype)), key_valid, steps)
-        selected = torch.stack([o[select] for o in outs])  # [S, N, h]
-        if lm_head_weight is None:
-            return selected, self.draft.logits(selected)
-        return selected, self.draft.logits(selected.to(lm_head_weight.dtype), lm_head_weight)  # EAGLE-1: the target's
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -405,6 +195,17 @@ def step_valid(prep: dict, steps: int) -> torch.Tensor:
     return (prep["t_index"][None] >= i) & prep["in_vocab"][None]
 
 
+def step_weights(cfg: EagleTrainConfig, steps: int, device) -> torch.Tensor:
+    """[S]: unrolled step i's loss weight ttt_decay ** i."""
+    return torch.tensor([cfg.ttt_decay ** i for i in range(steps)], device=device)
+
+
+def step_losses(ce: torch.Tensor, feature: torch.Tensor, cfg: EagleTrainConfig, eagle3: bool) -> torch.Tensor:
+    """[S] per-step losses from per-step soft-CE and feature-loss [S]: EAGLE-3 the soft CE alone, EAGLE-1
+    prob_loss_weight * soft CE + feature_loss_weight * SmoothL1."""
+    return ce if eagle3 else cfg.prob_loss_weight * ce + cfg.feature_loss_weight * feature
+
+
 def draft_loss(outs: torch.Tensor, logits: torch.Tensor, prep: dict, valid: torch.Tensor, denom: torch.Tensor,
                cfg: EagleTrainConfig, draft: EagleDraft) -> tuple[torch.Tensor, dict]:
     """sum_i decay^i (w_p * sum soft-CE_i + w_f * sum SmoothL1_i) / denom_i.  outs [S, N, h], logits [S, N, dv].
@@ -413,14 +214,12 @@ def draft_loss(outs: torch.Tensor, logits: torch.Tensor, prep: dict, valid: torc
     S, eagle3 = logits.shape[0], draft.is_eagle3
     ce = -(prep["probs"][None] * F.log_softmax(logits.float(), -1)).sum(-1)  # [S, N]
     ce_sums = (ce * valid).sum(-1)
-    weights = torch.tensor([cfg.ttt_decay ** i for i in range(S)], device=ce.device)
     if eagle3:
-        per_step, fl_sums = ce_sums, torch.zeros_like(ce_sums)
+        fl_sums = torch.zeros_like(ce_sums)
     else:
         fl = F.smooth_l1_loss(outs.float(), prep["feature_target"][None].float().expand_as(outs), reduction="none").mean(-1)
         fl_sums = (fl * valid).sum(-1)
-        per_step = cfg.prob_loss_weight * ce_sums + cfg.feature_loss_weight * fl_sums
-    loss = (weights * per_step / denom.clamp(min=1)).sum()
+    loss = (step_weights(cfg, S, ce.device) * step_losses(ce_sums, fl_sums, cfg, eagle3) / denom.clamp(min=1)).sum()
     with torch.no_grad():
         guess = draft.to_target_ids(logits.argmax(-1))
         hits = ((guess == prep["target_argmax"][None]) & valid).sum(-1).float()
@@ -480,8 +279,6 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
 
 # ----------------------------------------------------------------------------------------------------
 # output
-
-
 
 
 def model_card(cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> str:
@@ -553,18 +350,11 @@ def main(argv: list[str] | None = None) -> dict:
     draft = build_draft(run, cfg)
     layers = draft.config.feature_layers
 
-    # features: online, in memory, or an offline cache on disk (written first if missing)
     all_rows = run.train_rows + run.eval_rows
-    mode = "disk" if cfg.feature_cache_dir else ("memory" if cfg.feature_cache else "online")
-    cache_dtype = target.dtype if cfg.feature_cache_dtype == "auto" else resolve_dtype(cfg.feature_cache_dtype)
-    source = FeatureSource(target, all_rows, layers, mode, Path(cfg.feature_cache_dir or "."), cache_dtype,
-                           cfg.feature_cache_shard_rows)
-    if mode == "disk":
-        identity = cache_identity(all_rows, run.info, layers, cache_dtype, cfg.feature_cache_shard_rows)
-        build_feature_cache(source, identity, run.info.hidden_size, accelerator)
-        if cfg.build_cache_only:
-            end_run(accelerator)
-            return {"feature_cache_dir": cfg.feature_cache_dir, **identity}
+    source = open_feature_source(cfg, target, run.info, all_rows, layers, accelerator)
+    if cfg.build_cache_only:
+        end_run(accelerator)
+        return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
 
     S = cfg.ttt_steps
     lm_head_weight = None if eagle3 else target.get_output_embeddings().weight  # EAGLE-1 drafts through it, frozen
@@ -584,9 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         sums = accumulate(accelerator, model, list(zip(preps, valids)), micro_loss)
         # the exact global per-step means
         means = {k: accelerator.reduce(v, "sum") / denom.clamp(min=1) for k, v in sums.items()}
-        weights = torch.tensor([cfg.ttt_decay ** i for i in range(S)], device=denom.device)
-        per_step = means["ce"] if eagle3 else cfg.prob_loss_weight * means["ce"] + cfg.feature_loss_weight * means["feature"]
-        fields = {"loss": float((weights * per_step).sum()), "ce": [round(float(c), 6) for c in means["ce"]],
+        loss = (step_weights(cfg, S, denom.device) * step_losses(means["ce"], means["feature"], cfg, eagle3)).sum()
+        fields = {"loss": float(loss), "ce": [round(float(c), 6) for c in means["ce"]],
                   "acc": [round(float(a), 4) for a in means["hits"]]}
         if not eagle3:
             fields["feature_loss"] = [round(float(c), 6) for c in means["feature"]]
@@ -600,7 +389,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_train = len(run.train_rows)
     metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id)
     metrics.update({"feature_layers": layers, "draft_vocab_size": draft.config.draft_vocab_size, "ttt_steps": S,
-                    "feature_source": mode})
+                    "feature_source": source.mode})
     return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "depth")
 
 

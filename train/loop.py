@@ -10,20 +10,16 @@ what is its method's own: its model and parameter groups, one optimizer step's l
 Each optimizer step takes gradient_accumulation_steps global batches drawn from one seeded permutation per epoch
 (train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
 (accelerate save_state / load_state: weights, optimizer, RNG; the LR schedule in trainer_state.json) sees those of the
-uninterrupted run. A checkpoint is written to a temporary folder and renamed when complete; resuming unpickles no code
-(docs/safety.md). A full disk is named as such, and the last complete checkpoint is kept.
+uninterrupted run. Checkpoints and the heads directory are written by train/checkpoints.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
-import shutil
 import socket
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,16 +35,12 @@ from transformers import get_cosine_schedule_with_warmup
 from heads.directory import push_heads_dir
 from heads.export import ExportError, export_and_push
 from heads.target import load_target
-from train.cli import CheckpointError
-from train.config import TrainRunConfig, parse_config
+from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
+from train.config import ConfigError, TrainRunConfig, build_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
 
-LOW_SPACE_BYTES = 64 << 20  # a failed write with less free space than this on its filesystem: the disk is full
-PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # the torch.save files accelerate's save_state writes
-
-
 # ----------------------------------------------------------------------------------------------------
-# data, accelerator, frozen target; checkpoints
+# data, accelerator, frozen target; the log
 
 
 def ensure_data(cfg: TrainRunConfig):
@@ -57,12 +49,17 @@ def ensure_data(cfg: TrainRunConfig):
 
     data_dir = Path(cfg.data_dir)
     if not (data_dir / "dataset").is_dir() or not (data_dir / "meta.json").is_file():
-        argv = ["--config", cfg.selfdistill_recipe] if cfg.selfdistill_recipe else []
-        argv += ["--target", cfg.target, "--output_dir", str(data_dir)]
+        overrides = {"target": cfg.target, "output_dir": str(data_dir)}
         if cfg.num_prompts is not None:
-            argv += ["--num_prompts", str(cfg.num_prompts)]
-        print(f"{data_dir} holds no self-distilled dataset: running train/selfdistill.py {' '.join(argv)}")
-        run_selfdistill(parse_config(SelfDistillConfig, argv))
+            overrides["num_prompts"] = cfg.num_prompts
+        distill = build_config(SelfDistillConfig, cfg.selfdistill_recipe, **overrides)
+        if distill.backend == "vllm" and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+            raise ConfigError("self-distilling with backend vllm under several processes gives each process's engine "
+                              "GPUs of its own only from train/selfdistill.py's entry point: run it first, then train "
+                              f"on its output_dir ({data_dir})")
+        print(f"{data_dir} holds no self-distilled dataset: self-distilling first (train/selfdistill.py, recipe "
+              f"{cfg.selfdistill_recipe or 'none'}, {overrides})")
+        run_selfdistill(distill)
     try:
         return load_selfdistilled(data_dir)
     except Exception as err:  # datasets cannot even open a 0-row dataset saved in 0 shards
@@ -114,8 +111,6 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     dataset, meta = ensure_data(cfg)
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
-    if cfg.report_to == "wandb":
-        setup_wandb_mode()
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
@@ -134,147 +129,19 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     return Run(cfg, accelerator, output_dir, target, info, pad_id, train_rows, eval_rows, stats)
 
 
-def setup_wandb_mode() -> None:
-    """wandb offline when there is no network (runs sync later with `wandb sync`)."""
+def wandb_init_kwargs(output_dir: Path) -> dict:
+    """wandb.init's arguments: its files under output_dir; offline when there is no network and WANDB_MODE does not
+    say otherwise (runs sync later with `wandb sync`)."""
+    kwargs = {"dir": str(output_dir)}
     if "WANDB_MODE" in os.environ:
-        return
+        return kwargs
     try:
         if os.environ.get("HF_HUB_OFFLINE") != "1":
             socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
-            return
+            return kwargs
     except OSError:
         pass
-    os.environ["WANDB_MODE"] = "offline"
-
-
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    done = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def disk_full(err: BaseException, path: Path) -> str | None:
-    """'no space left on device ...' when `err`, raised writing under `path`, came from a full disk, else None.
-    torch.save reports a full disk only as 'basic_ios::clear: iostream error' or 'unexpected pos': then the free space
-    left on the filesystem (read before the partial files are removed) tells."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "no space left on device"
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    free = shutil.disk_usage(existing).free if existing is not None else None
-    if free is not None and free < LOW_SPACE_BYTES:
-        return f"no space left on device ({free} bytes free there; {type(err).__name__}: {str(err).splitlines()[0][:120]})"
-    return None
-
-
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig, scheduler) -> None:
-    """accelerate's save_state (model as safetensors, optimizer and RNG states as torch.save files) plus
-    trainer_state.json (step, config, LR scheduler state), written into checkpoints/.step-N.tmp and renamed to step-N
-    when complete; only then are checkpoints beyond keep_checkpoints removed. A full disk is a CheckpointError."""
-    root = output_dir / "checkpoints"
-    ckpt, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
-    accelerator.wait_for_everyone()
-    try:
-        accelerator.save_state(str(tmp))
-        if accelerator.is_main_process:
-            state = {"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict()}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
-    except Exception as err:  # torch.save and safetensors raise RuntimeError / their own types
-        full = disk_full(err, tmp)
-        if full is None:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = latest_checkpoint(output_dir)
-        raise CheckpointError(
-            f"could not write checkpoint {ckpt}: {full}. "
-            + (f"The last complete checkpoint {kept} is kept: free space and rerun with --resume"
-               if kept else "No earlier checkpoint exists: free space and rerun")) from err
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete folder of that step from an earlier run
-        os.replace(tmp, ckpt)
-        old = sorted((p for p in root.glob("step-*") if (p / "trainer_state.json").is_file()),
-                     key=lambda p: int(p.name.split("-")[1]))
-        for path in old[: max(0, len(old) - cfg.keep_checkpoints)]:
-            shutil.rmtree(path, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def check_pickles(ckpt: Path) -> None:
-    """Every torch.save file in a checkpoint must be plain data: torch.load(weights_only=True) (with accelerate's
-    numpy globals for the RNG state; mmap: the tensors themselves are not read here) refuses anything that would run
-    code when unpickled. CheckpointError names the file."""
-    from accelerate.utils.other import load
-
-    for file in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.suffix in PICKLE_SUFFIXES):
-        if file.name.startswith("custom_checkpoint_"):
-            raise CheckpointError(
-                f"{file}: accelerate unpickles custom_checkpoint_*.pkl with weights_only=False, which can run code, and "
-                "headstart writes none (older versions kept the LR schedule there). Resume from a checkpoint this "
-                "version wrote, or start without --resume")
-        try:
-            load(str(file), map_location="cpu", mmap=True)
-        except Exception as err:  # UnpicklingError, or a file torch cannot read as its format
-            raise CheckpointError(
-                f"{file} is not plain tensor data (torch.load(weights_only=True) refused it: "
-                f"{str(err).splitlines()[0][:200]}); headstart does not unpickle code from a checkpoint. Delete "
-                f"{ckpt} to resume from an older checkpoint, or start without --resume") from err
-
-
-def load_checkpoint(accelerator: Accelerator, ckpt: Path, scheduler) -> int:
-    """Restore what save_checkpoint wrote (weights, optimizer, RNG, LR schedule); returns its step. Nothing is
-    unpickled with code: check_pickles first, then accelerate's loads with weights_only=True (docs/safety.md)."""
-    rng = ckpt / f"random_states_{accelerator.process_index}.pkl"
-    if not rng.is_file():  # accelerate would go on silently without it: the resumed run would draw other numbers
-        raise CheckpointError(f"{ckpt} has no {rng.name}: the checkpoint is incomplete; delete it to resume from an "
-                              "older one")
-    check_pickles(ckpt)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if "scheduler" not in state:
-        raise CheckpointError(f"{ckpt}/trainer_state.json has no scheduler state: written by an older headstart. "
-                              "Start without --resume")
-    accelerator.load_state(str(ckpt), load_kwargs={"weights_only": True})
-    scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"])
-
-
-def write_dir(final: Path, write: Callable[[Path], Any], latest: Path | None = None) -> None:
-    """write(folder) into a temporary sibling of `final`, renamed to `final` when complete (an older `final` is
-    replaced only then). On a full disk the folder is written to the system temp dir instead, and CheckpointError
-    says where it went (or that it could not be written, and what is left to resume from)."""
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        write(tmp)
-    except Exception as err:  # see save_checkpoint
-        full = disk_full(err, tmp)
-        if full is None:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        spare = Path(tempfile.mkdtemp(prefix=f"headstart-{final.name}-"))
-        try:
-            write(spare)
-        except Exception as spare_err:
-            shutil.rmtree(spare, ignore_errors=True)
-            left = (f"the last checkpoint {latest} is kept: free space and rerun with --resume" if latest else
-                    "no checkpoint was kept (checkpoint_every 0): free space and rerun")
-            raise CheckpointError(f"could not write {final}: {full}; nor {spare} ({spare_err}); {left}") from err
-        os.chmod(spare, 0o777 & ~_umask())
-        raise CheckpointError(f"could not write {final}: {full}. It was written to {spare} instead: move that folder to "
-                              f"{final} once there is space") from err
-    old = final.with_name(f".{final.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return {**kwargs, "mode": "offline"}
 
 
 def open_log(path: Path, step: int):
@@ -365,7 +232,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
     if cfg.report_to != "none":
         hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
         accelerator.init_trackers(f"headstart-{cfg.method}", config=hparams,
-                                  init_kwargs={"wandb": {"dir": str(run.output_dir)}} if cfg.report_to == "wandb" else {})
+                                  init_kwargs={"wandb": wandb_init_kwargs(run.output_dir)} if cfg.report_to == "wandb" else {})
 
     log_file = open_log(run.output_dir / "train_log.jsonl", step) if accelerator.is_main_process else None
     bar = tqdm(total=total_steps, initial=step, desc=cfg.method, disable=not accelerator.is_main_process)

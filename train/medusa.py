@@ -18,7 +18,8 @@ t and learns token t+k+1, weighted 0.8^k. Only positions whose label token the t
 supervised: never user turns, and a real end-of-turn token stays supervised even though pad = eos.
 The loss is a mean over supervised tokens of the whole global batch (all processes, all accumulation steps), so
 N processes x batch b give the same loss and gradients as 1 process x batch N*b.
-Medusa-2 adds LoRA to the target and the loss KL(original target || tuned target) + heads_weight * heads loss,
+Medusa-1's features come online, from memory or from an offline cache on disk (train/features.py; the same cache
+an EAGLE-1 run on the same rows writes). Medusa-2 adds LoRA to the target and the loss KL(original target || tuned target) + heads_weight * heads loss,
 after `medusa2_warmup_steps` heads-only steps; the adapter is saved in DIR/heads/adapter.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json [, adapter/]), DIR/checkpoints,
@@ -47,8 +48,9 @@ from heads.load import load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from train.cli import run_main
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
-from train.data import collate, pad_features, shifted_labels, supervised_token_counts
-from train.loop import Run, accumulate, accuracy_table, card_facts, finish_run, rank_summary, start_run, train
+from train.data import collate, shifted_labels, supervised_token_counts
+from train.features import final_hidden, open_feature_source
+from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
 
 
 @dataclass
@@ -70,7 +72,7 @@ class MedusaTrainConfig(TrainRunConfig):
     supervise_prompt: bool = False
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
     lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
-    # Medusa-2 (feature_cache needs Medusa-1: a frozen target)
+    # Medusa-2 (the feature caches need Medusa-1: a frozen target)
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -86,8 +88,8 @@ def check_config(cfg: MedusaTrainConfig) -> None:
         raise ConfigError(f"num_heads must be >= 1, got {cfg.num_heads}")
     if cfg.draft_vocab_size < 0:
         raise ConfigError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {cfg.draft_vocab_size}")
-    if cfg.feature_cache and cfg.method == "medusa2":
-        raise ConfigError("feature_cache needs a frozen target: use it with method medusa only")
+    if (cfg.feature_cache or cfg.feature_cache_dir) and cfg.method == "medusa2":
+        raise ConfigError("feature_cache and feature_cache_dir need a frozen target: use them with method medusa only")
     if not 0.0 <= cfg.soft_label_weight <= 1.0:
         raise ConfigError(f"soft_label_weight must be in [0, 1], got {cfg.soft_label_weight}")
     if (cfg.soft_label_weight or cfg.supervise_prompt) and cfg.method == "medusa2":
@@ -98,11 +100,6 @@ def check_config(cfg: MedusaTrainConfig) -> None:
 
 # ----------------------------------------------------------------------------------------------------
 # model pieces
-
-
-def final_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The target's last hidden state after the final norm (= HF `hidden_states[-1]`), without the lm_head: [B, T, h]."""
-    return target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
 class Medusa2Model(nn.Module):
@@ -157,6 +154,11 @@ def target_probs(hidden: torch.Tensor, union: torch.Tensor, lm_head_weight: torc
     return probs[slot[rows.expand_as(at), at]] * inside[..., None]
 
 
+def head_weights(decay: float, num_heads: int, device) -> torch.Tensor:
+    """[K]: head k's (0-based) loss weight decay ** (k + 1)."""
+    return torch.tensor([decay ** (k + 1) for k in range(num_heads)], device=device)
+
+
 def weighted_head_ce(head_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, denom: torch.Tensor,
                      decay: float, soft: tuple[torch.Tensor, torch.Tensor, float] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -177,8 +179,7 @@ def weighted_head_ce(head_logits: torch.Tensor, labels: torch.Tensor, valid: tor
         soft_sums.append((soft_ce * soft_valid[k]).sum())
         loss_sums.append((1 - w) * ce_sums[-1] + w * soft_sums[-1])
     ce_sums, loss_sums = torch.stack(ce_sums), torch.stack(loss_sums)
-    weights = torch.tensor([decay ** (k + 1) for k in range(len(ce_sums))], device=ce_sums.device)
-    return ((weights * loss_sums / denom.clamp(min=1)).sum(), ce_sums.detach(),
+    return ((head_weights(decay, len(ce_sums), ce_sums.device) * loss_sums / denom.clamp(min=1)).sum(), ce_sums.detach(),
             torch.stack(soft_sums).detach() if soft_sums else None)
 
 
@@ -305,6 +306,12 @@ def main(argv: list[str] | None = None) -> dict:
     medusa2 = cfg.method == "medusa2"
     run = start_run(cfg, find_unused_parameters=medusa2)  # Medusa-2 warmup: the LoRA weights get no gradient
     accelerator, target, K = run.accelerator, run.target, cfg.num_heads
+    # Medusa-1's features: the frozen target's final hidden state (feature_layers [L], the cache EAGLE-1 reads too)
+    source = open_feature_source(cfg, target, run.info, run.train_rows + run.eval_rows, [run.info.num_hidden_layers],
+                                 accelerator)
+    if cfg.build_cache_only:
+        end_run(accelerator)
+        return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     shared = lm_head_weight if cfg.share_lm_head else None
     heads = build_heads(run, cfg, lm_head_weight)
@@ -320,17 +327,6 @@ def main(argv: list[str] | None = None) -> dict:
         target = get_peft_model(target, lora)
         target.train()
         groups.append({"params": [p for p in target.parameters() if p.requires_grad], "lr": cfg.target_learning_rate})
-    cache: dict[int, torch.Tensor] = {}  # row index -> [T_i, h] target hidden states (feature_cache)
-
-    def features(batch: dict) -> torch.Tensor:
-        """Medusa-1 features [B, T, h] from the frozen target, computed or read from the per-row cache."""
-        if not cfg.feature_cache:
-            return final_hidden(target, batch["input_ids"], batch["attention_mask"])
-        for b, row in enumerate(batch["rows"].tolist()):
-            if row not in cache:  # one unpadded row at a time: the same values whichever batch it comes in
-                n = int(batch["attention_mask"][b].sum())
-                cache[row] = final_hidden(target, batch["input_ids"][b : b + 1, :n], batch["attention_mask"][b : b + 1, :n])[0]
-        return pad_features([cache[row] for row in batch["rows"].tolist()], batch["input_ids"].shape[1])
 
     def step_fn(model, micro: list[dict], step: int) -> dict:
         tune_target = medusa2 and step >= cfg.medusa2_warmup_steps
@@ -353,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
             valid = valid & in_vocab
             if not medusa2:
                 with torch.no_grad():
-                    hidden = features(batch)
+                    _, hidden = source.batch(batch)  # [B, T, h]
                     soft = None
                     if cfg.soft_label_weight:
                         rows = lm_head_weight if heads.token_map is None else lm_head_weight[heads.token_map]
@@ -374,8 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         sums = accumulate(accelerator, model, micro, micro_loss)
         # the exact global loss: per-head mean CE over all supervised tokens of the step
         head_ce = accelerator.reduce(sums["ce"], "sum") / counts[1:].clamp(min=1)
-        weights = torch.tensor([cfg.head_decay ** (k + 1) for k in range(K)], device=head_ce.device)
-        heads_loss = float((weights * head_ce).sum())
+        heads_loss = float((head_weights(cfg.head_decay, K, head_ce.device) * head_ce).sum())
         fields = {"loss": heads_loss, "heads_loss": heads_loss, "head_ce": [round(float(c), 6) for c in head_ce]}
         if "soft_ce" in sums:  # per head, over the positions the soft term covers
             soft_ce = accelerator.reduce(sums["soft_ce"], "sum") / loss_counts.clamp(min=1)

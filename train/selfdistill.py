@@ -50,7 +50,7 @@ from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target
 from train.config import ConfigError, parse_config
 from train.data import DataError
-from train.engines import BACKENDS, make_engine, request_seed
+from train.engines import BACKENDS, engine_gpus, make_engine, request_seed
 
 # settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
 # and in-flight counts do not change them)
@@ -220,7 +220,7 @@ def _check_settings(output_dir: Path, cfg: SelfDistillConfig, is_main: bool) -> 
     settings = {k: getattr(cfg, k) for k in RESULT_FIELDS}
     run_file = output_dir / "run.json"
     if run_file.is_file() and any((output_dir / "parts").glob("batch_*.json")):
-        # a field added after that run was written: the run had its default (runs before `backend` used hf)
+        # a setting the run's run.json lacks (a field the config gained later) held its default in that run
         defaults = {f.name: f.default for f in dataclasses.fields(SelfDistillConfig)}
         previous = {k: v for k, v in defaults.items() if k in settings} | json.loads(run_file.read_text())
         differing = sorted(k for k in settings if previous.get(k) != settings[k])
@@ -325,8 +325,7 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
             "(a Jinja string or a path to a .jinja file)."
         )
     eos_ids = set(stop_token_ids(tokenizer, model.generation_config))
-    engine = make_engine(cfg, model, tokenizer, eos_ids, accelerator.local_process_index,
-                         int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    engine = make_engine(cfg, model, tokenizer, eos_ids)
     del model  # the hf engine holds it; the others do not need it
 
     # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
@@ -395,6 +394,10 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(SelfDistillConfig, argv)
+    num_local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if cfg.backend == "vllm" and num_local > 1 and torch.cuda.is_available():
+        # several processes on this node: each process's vLLM engine on GPUs of its own, set before the engine starts
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_gpus(int(os.environ.get("LOCAL_RANK", 0)), cfg.tensor_parallel_size)
     run_selfdistill(cfg)
 
 

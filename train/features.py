@@ -1,0 +1,182 @@
+"""The frozen target's features, for every trainer that reads them (Medusa, EAGLE-1, EAGLE-3).
+
+A row's features are the final-norm hidden state [T, h] (what Medusa heads and EAGLE-1 read; the target's logits are
+its lm_head of it) and the taps [T, n*h] = cat(hidden_states[i] for i in feature_layers) (EAGLE-3's input; the final
+state itself when feature_layers is [L]). Three sources, chosen by the run config (train/config.py):
+
+- online: one target forward per batch (the default);
+- in memory (`feature_cache: true`): each row computed alone at its first use, then kept;
+- on disk (`feature_cache_dir`): sharded safetensors files in `feature_cache_dtype` (default the target's dtype),
+  written once before training (resumable: a missing shard is written again), refused when written for other rows,
+  target or settings. `build_cache_only` writes the cache and stops. A cache is shared by every trainer with the same
+  taps: Medusa and EAGLE-1 (feature_layers [L]) read the same one.
+
+A row computed alone has no padding, so the in-memory and on-disk sources give the same values in any batch layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+
+from heads.target import resolve_dtype
+from train.config import ConfigError, TrainRunConfig
+from train.data import DataError, pad_features
+
+
+def final_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The target's last hidden state after the final norm (= HF `hidden_states[-1]`), without the lm_head: [B, T, h]."""
+    return target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    feature_layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's inputs from the frozen target: taps [B, T, n*h] = cat(hidden_states[i] for i in feature_layers)
+    and the final-norm hidden state [B, T, h] (= hidden_states[L]). Taps of [L] alone are the final state itself."""
+    if feature_layers == [target.config.get_text_config().num_hidden_layers]:
+        final = final_hidden(target, input_ids, attention_mask)
+        return final, final
+    hidden = target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                                  use_cache=False).hidden_states  # L + 1 tensors [B, T, h]
+    return torch.cat([hidden[i] for i in feature_layers], dim=-1), hidden[-1]
+
+
+class FeatureSource:
+    """Per-batch target features, computed online, kept in memory per row, or read from an offline cache on disk.
+
+    Row ids: training rows 0..n_train-1, held-out rows n_train.. (in the order of `rows`).
+    `identity`: what the disk cache was written for (cache_identity), None for the other sources.
+    """
+
+    def __init__(self, target, rows: list[dict], feature_layers: list[int], mode: str = "online",
+                 cache_dir: Path | None = None, cache_dtype: torch.dtype | None = None, shard_rows: int = 64):
+        self.target, self.rows, self.layers, self.mode = target, rows, feature_layers, mode
+        self.taps_are_final = feature_layers == [target.config.get_text_config().num_hidden_layers]
+        self.memory: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.cache_dir, self.cache_dtype, self.shard_rows = cache_dir, cache_dtype, shard_rows
+        self.identity: dict | None = None
+        self._open: dict[int, tuple] = {}
+
+    def row(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(taps [T_r, n*h], final [T_r, h]) of row r, computed alone (no padding: the same values in any batch)."""
+        if self.mode == "disk":
+            return self._read(r)
+        if r not in self.memory:
+            out = self.compute(r)
+            if self.mode != "memory":
+                return out
+            self.memory[r] = out
+        return self.memory[r]
+
+    def compute(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.as_tensor(self.rows[r]["input_ids"], device=self.target.device)[None]
+        taps, final = target_features(self.target, ids, torch.ones_like(ids), self.layers)
+        return taps[0], final[0]
+
+    def batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """batch (collated, with `rows`) -> taps [B, T, n*h], final [B, T, h] on the target's device and dtype."""
+        if self.mode == "online":
+            return target_features(self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        per_row = [self.row(r) for r in batch["rows"].tolist()]
+        T = batch["input_ids"].shape[1]
+        device, dtype = batch["input_ids"].device, self.target.dtype
+        final = pad_features([f for _, f in per_row], T).to(device, dtype)
+        taps = final if self.taps_are_final else pad_features([t for t, _ in per_row], T).to(device, dtype)
+        return taps, final
+
+    # ---- offline cache: shard k holds rows [k*S, (k+1)*S): taps (unless they are the final state), final, offsets
+    def shard_path(self, k: int) -> Path:
+        return self.cache_dir / f"shard-{k:05d}.safetensors"
+
+    @property
+    def num_shards(self) -> int:
+        return math.ceil(len(self.rows) / self.shard_rows)
+
+    def _read(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from safetensors import safe_open
+
+        k, j = divmod(r, self.shard_rows)
+        if k not in self._open:
+            handle = safe_open(str(self.shard_path(k)), framework="pt", device="cpu")
+            self._open[k] = (handle, handle.get_tensor("offsets").tolist())
+        handle, offsets = self._open[k]
+        a, b = offsets[j], offsets[j + 1]
+        final = handle.get_slice("final")[a:b]
+        taps = final if self.taps_are_final else handle.get_slice("taps")[a:b]
+        return taps, final
+
+    def write_shard(self, k: int) -> None:
+        from safetensors.torch import save_file
+
+        rows = range(k * self.shard_rows, min((k + 1) * self.shard_rows, len(self.rows)))
+        computed = [self.compute(r) for r in rows]
+        lengths = [f.shape[0] for _, f in computed]
+        tensors = {"final": torch.cat([f for _, f in computed]).to("cpu", self.cache_dtype).contiguous(),
+                   "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)}
+        if not self.taps_are_final:
+            tensors["taps"] = torch.cat([t for t, _ in computed]).to("cpu", self.cache_dtype).contiguous()
+        tmp = self.shard_path(k).with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(self.shard_path(k))  # atomic: a shard file is complete or absent
+
+
+def cache_identity(rows: list[dict], info, feature_layers: list[int], dtype: torch.dtype, shard_rows: int) -> dict:
+    """What an offline cache was written for; a cache that differs in any field is refused."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row["input_ids"]).encode())
+    return {"target_fingerprint": info.fingerprint, "feature_layers": feature_layers, "dtype": str(dtype).split(".")[-1],
+            "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows), "rows_sha256": digest.hexdigest()[:16],
+            "shard_rows": shard_rows}
+
+
+def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, accelerator: Accelerator) -> None:
+    """Write the missing shards (each process writes every N-th shard); reuse the ones already written."""
+    cache_dir = source.cache_dir
+    meta_file = cache_dir / "cache.json"
+    if meta_file.is_file():
+        written_for = json.loads(meta_file.read_text())["identity"]
+        if written_for != identity:
+            diff = sorted(k for k in identity if written_for.get(k) != identity[k])
+            raise ConfigError(f"the feature cache in {cache_dir} was written for other rows, target or settings "
+                              f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
+    per_token = hidden + (0 if source.taps_are_final else len(source.layers) * hidden)  # the final state, the taps
+    size = identity["tokens"] * per_token * torch.finfo(source.cache_dtype).bits // 8
+    missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
+    accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
+                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({source.num_shards} shards, {len(missing)} to write)")
+    if not missing:
+        return
+    if accelerator.is_main_process:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(cache_dir).free
+        if size * len(missing) / source.num_shards > free:
+            raise DataError(f"the feature cache needs about {size / 2**30:.2f} GiB; {cache_dir} has {free / 2**30:.2f} GiB free")
+        meta_file.write_text(json.dumps({"identity": identity, "bytes_estimate": size}, indent=2))
+    accelerator.wait_for_everyone()
+    mine = missing[accelerator.process_index :: accelerator.num_processes]
+    for k in tqdm(mine, desc="feature cache", disable=not accelerator.is_main_process):
+        source.write_shard(k)
+    accelerator.wait_for_everyone()
+
+
+def open_feature_source(cfg: TrainRunConfig, target, info, rows: list[dict], feature_layers: list[int],
+                        accelerator: Accelerator) -> FeatureSource:
+    """The source the run config asks for, over `rows` (training rows, then held-out rows); on disk, the missing
+    shards are written first."""
+    mode = "disk" if cfg.feature_cache_dir else ("memory" if cfg.feature_cache else "online")
+    cache_dtype = target.dtype if cfg.feature_cache_dtype == "auto" else resolve_dtype(cfg.feature_cache_dtype)
+    source = FeatureSource(target, rows, feature_layers, mode, Path(cfg.feature_cache_dir or "."), cache_dtype,
+                           cfg.feature_cache_shard_rows)
+    if mode == "disk":
+        source.identity = cache_identity(rows, info, feature_layers, cache_dtype, cfg.feature_cache_shard_rows)
+        build_feature_cache(source, source.identity, info.hidden_size, accelerator)
+    return source
