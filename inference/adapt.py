@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from inference.lookup import lookup_branches
+from inference.lookup import ContextIndex
 from inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
 
 Key = tuple
@@ -169,6 +169,8 @@ class AdaptivePolicy:
         self.probe_gap = {"heads": self.config.probe_every, "lookup": self.config.probe_every}
         self.kinds: Counter = Counter()  # plan kind -> steps
         self.sizes: Counter = Counter()  # tree nodes -> steps
+        self.index: ContextIndex | None = None  # the generation's context, indexed for lookup as it grows
+        self.trees: dict[tuple[int, ...], Tree] = {}  # parents -> tree: a generation meets the same few shapes again
 
     def _heads_options(self) -> list[tuple[list[list[int]], float]]:
         """(choices, expected extra tokens) of the best heads tree of each allowed size, under the current rates."""
@@ -217,7 +219,9 @@ class AdaptivePolicy:
 
     def plan(self, context: list[int]) -> Plan:
         cfg = self.config
-        ngram, branches = (lookup_branches(context, cfg.max_lookup, cfg.min_ngram, cfg.max_ngram, cfg.max_matches)
+        if self.lookup and (self.index is None or self.index.context is not context):
+            self.index = ContextIndex(context)
+        ngram, branches = (self.index.branches(cfg.max_lookup, cfg.min_ngram, cfg.max_ngram, cfg.max_matches)
                            if self.lookup else (0, []))
         heads = [([], 0.0)] + self._heads_options()
         trie = self._lookup_trie(ngram, branches)
@@ -268,7 +272,12 @@ class AdaptivePolicy:
                 keys.append([])
             keys[node].extend(node_keys)
             trie_node.append(node)
-        tree = heads_tree if heads_tree is not None and len(parents) == heads_tree.size else _tree(tuple(parents))
+        if heads_tree is not None and len(parents) == heads_tree.size:
+            tree = heads_tree
+        else:
+            tree = self.trees.get(tuple(parents))
+            if tree is None:
+                tree = self.trees[tuple(parents)] = tree_from_parents(parents)
         return tree, torch.tensor(tokens, dtype=torch.long), keys
 
     def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int]) -> None:
@@ -295,16 +304,3 @@ def conditional_rates(accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
     rows = [list(row) for row in accuracy]
     return [rows[0]] + [[min(1.0, a / rows[d - 1][0]) if rows[d - 1][0] > 0 else 0.0 for a in rows[d]]
                         for d in range(1, len(rows))]
-
-
-_TREES: dict[tuple[int, ...], Tree] = {}
-
-
-def _tree(parents: tuple[int, ...]) -> Tree:
-    """tree_from_parents, kept per shape (the decode loop meets the same few shapes again and again)."""
-    tree = _TREES.get(parents)
-    if tree is None:
-        if len(_TREES) > 4096:
-            _TREES.clear()
-        tree = _TREES[parents] = tree_from_parents(list(parents))
-    return tree

@@ -197,14 +197,19 @@ def speculative_generate(
                 tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
                 taps = None  # handed over
         t1 = time.perf_counter()
-        mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
-        positions = tree.position_ids(prefix_len, device=device)  # [1, N]
-        logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
-                                                   feature_layers=feature_layers,
-                                                   exact=exact)  # [N, V], [N, h], [N, n*h]
+        if tree.size == 1:  # a plain step: the one-token forward plain decoding runs (no mask), nothing to drop
+            logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache,
+                                                       feature_layers=feature_layers)  # [1, V], [1, h], [1, n*h]
+        else:
+            mask = tree.attention_mask(prefix_len, dtype=dtype, device=device)  # [1, 1, N, prefix_len + N]
+            positions = tree.position_ids(prefix_len, device=device)  # [1, N]
+            logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache, mask, positions,
+                                                       feature_layers=feature_layers,
+                                                       exact=exact)  # [N, V], [N, h], [N, n*h]
         token_list = tokens.tolist()
         path, bonus = _accept(tree, token_list, logits, sampling, generator)
-        compact_cache(cache, prefix_len, path)
+        if tree.size > 1:
+            compact_cache(cache, prefix_len, path)
         t2 = time.perf_counter()
         if policy is not None:
             policy.observe(plan, tree, keys, path)

@@ -39,23 +39,44 @@ def lookup_branches(context: list[int], num_tokens: int, min_ngram: int, max_ngr
     """(n, continuations): for the largest n in [min_ngram, max_ngram] whose last-n-token tail occurred earlier, up
     to `max_matches` distinct continuations of up to num_tokens tokens that followed its occurrences, latest first;
     (0, []) when no tail occurs."""
-    length = len(context)
-    for n in range(max_ngram, min_ngram - 1, -1):
-        if n <= 0 or length <= n:
-            continue
-        tail = context[length - n:]
-        last = tail[-1]
-        found: list[list[int]] = []
-        for start in range(length - n - 1, -1, -1):  # latest first; the tail itself (start = length - n) excluded
-            if context[start + n - 1] == last and context[start: start + n] == tail:
-                follow = context[start + n: start + n + num_tokens]
-                if follow and follow not in found:
-                    found.append(follow)
-                    if len(found) >= max_matches:
-                        break
-        if found:
-            return n, found
-    return 0, []
+    return ContextIndex(context).branches(num_tokens, min_ngram, max_ngram, max_matches)
+
+
+class ContextIndex:
+    """Where each token occurs in a context that only grows (the decode loop appends to it), so a lookup step reads
+    the occurrences of the context's last token instead of rescanning the whole context."""
+
+    def __init__(self, context: list[int]):
+        self.context = context  # read only; its owner appends
+        self.positions: dict[int, list[int]] = {}  # token -> positions in the context, ascending
+        self.indexed = 0  # context[:indexed] is in `positions`
+
+    def branches(self, num_tokens: int, min_ngram: int, max_ngram: int,
+                 max_matches: int) -> tuple[int, list[list[int]]]:
+        """lookup_branches over the context as it is now."""
+        context = self.context
+        for i in range(self.indexed, len(context)):
+            self.positions.setdefault(context[i], []).append(i)
+        self.indexed = length = len(context)
+        for n in range(max_ngram, min_ngram - 1, -1):
+            if n <= 0 or length <= n:
+                continue
+            tail = context[length - n:]
+            found: list[list[int]] = []
+            for end in reversed(self.positions[tail[-1]]):  # latest first; the tail itself (end = length - 1) excluded
+                if end > length - 2:
+                    continue
+                if end < n - 1:
+                    break
+                if context[end - n + 1: end + 1] == tail:
+                    follow = context[end + 1: end + 1 + num_tokens]
+                    if follow not in found:
+                        found.append(follow)
+                        if len(found) >= max_matches:
+                            break
+            if found:
+                return n, found
+        return 0, []
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,7 +8,9 @@ from conftest import tiny_model
 
 from inference.decode import speculative_generate
 from inference.generate import Speculator
-from inference.lookup import LookupConfig, chain_draft, lookup_continuation
+import random
+
+from inference.lookup import ContextIndex, LookupConfig, chain_draft, lookup_continuation
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -25,6 +27,38 @@ def test_lookup_takes_the_longest_ngram_then_the_latest_occurrence():
     assert lookup_continuation([4, 8, 4], LookupConfig(num_tokens=2, min_ngram=2)) == []  # n >= 2 needed
     assert lookup_continuation([3, 4, 3, 4], LookupConfig(num_tokens=5)) == [3, 4]  # cut at the end of the context
     assert lookup_continuation([], cfg) == [] and lookup_continuation([7], cfg) == []
+
+
+def _scan_branches(context, num_tokens, min_ngram, max_ngram, max_matches):
+    """The lookup spelled out: for each n (largest first), every earlier start, latest first."""
+    for n in range(max_ngram, max(min_ngram, 1) - 1, -1):
+        if len(context) <= n:
+            continue
+        found = []
+        for start in range(len(context) - n - 1, -1, -1):
+            follow = context[start + n: start + n + num_tokens]
+            if context[start: start + n] == context[-n:] and follow not in found and len(found) < max_matches:
+                found.append(follow)
+        if found:
+            return n, found
+    return 0, []
+
+
+def test_context_index_grown_token_by_token_finds_what_a_full_scan_finds():
+    """The decode loop's index, appended to step by step, against the full scan of the context every step."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(200):
+        vocab = rng.choice([2, 3, 5, 9])
+        context: list[int] = []
+        index = ContextIndex(context)
+        for _ in range(rng.randrange(1, 50)):
+            context.extend(rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 4])))  # a step emits 1+ tokens
+            for args in [(4, 1, 3, 3), (16, 2, 3, 1), (2, 1, 1, 2), (3, 2, 4, 4)]:
+                found = index.branches(*args)
+                assert found == _scan_branches(context, *args), (context, args)
+                checked += bool(found[1])
+    assert checked > 1000  # most steps found something: the comparison covered matches, not just misses
 
 
 def test_chain_draft_is_a_chain():
