@@ -74,8 +74,9 @@ def sync(device: torch.device) -> None:
 
 def rows_invariant(model: PreTrainedModel, rows: int = 8) -> bool:
     """Whether this device's matmul gives each row the same bits whatever the number of rows (1 vs `rows`), for
-    every linear layer of the target: what `exact=True` needs besides its attention (on this x86 CPU: bf16 with 2
-    threads yes; bf16 with 1 thread not for a 1536-wide input at 4+ rows; fp32 through MKL no: 1 row is a gemv)."""
+    every linear layer of the target: what `exact=True` needs besides its attention. It depends on the kernel the
+    matmul picks for the row count, the thread count and the dtype (e.g. MKL runs one fp32 row as a gemv), so it is
+    measured on the loaded model rather than assumed."""
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, OneDNNLinear)):  # through the module: its kernel may be switched
             weight = module.weight  # [out, in]
