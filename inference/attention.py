@@ -44,15 +44,22 @@ AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)  # the same masks as sdpa
 
 
 @contextlib.contextmanager
-def gqa_sdpa(model, device: torch.device | str):
-    """Run `model` with gqa_sdpa_attention inside the block when it uses `sdpa` on CPU; otherwise unchanged."""
+def attention_implementation(model, name: str):
+    """Run `model`'s attention through the registered implementation `name` inside the block, and restore the one it
+    had after. transformers' attention layers look the implementation up in the model's config at every call, so a
+    switch scoped to one forward is how that forward takes another path while the model stays as it was for every
+    other caller (HF `generate`, training)."""
     config = model.config
-    if torch.device(device).type != "cpu" or getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
-        return
-    config._attn_implementation = GQA_SDPA
+    before = config._attn_implementation
+    config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = before
 
+
+def gqa_sdpa(model, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """Run `model` with gqa_sdpa_attention inside the block when it uses `sdpa` on CPU; otherwise unchanged."""
+    if torch.device(device).type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return contextlib.nullcontext()
+    return attention_implementation(model, GQA_SDPA)

@@ -3,18 +3,18 @@ range of tree sizes and pick the tree with the most expected tokens per second, 
 
 On a CPU a forward over a few more tokens costs more than one, so trees come out small; on a GPU, large.
 
-Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates
-each round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided
-by the 1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a
-spike in a minority of rounds moves no median. The medians are then fitted with one non-decreasing curve over all
-sizes (monotone_fit). When the rounds disagree too much overall (the median, over every size's samples, of their
-absolute deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not
-decide), the timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU a verify of a few tokens costs about one step, see the
-README's "Measured" table), never to plain decoding. So does a machine where other processes used more than
-BUSY_LIMIT CPU cores during the timings (from /proc/stat): a CPU hog beside a 2-thread timing slowed every size
-alike, 100x (threads wait for each other), so the rounds agreed and only the load told. `tree.json` records what
-was measured; `stale_reason` says when a recorded calibration must not be reused (noisy, no tree, another device,
-thread count or linear kernel, an older format).
+Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates each
+round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided by the
+1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a spike in a
+minority of rounds moves no median. The medians are then fitted with one non-decreasing curve over all sizes
+(monotone_fit). When the rounds disagree too much overall (the median, over every size's samples, of their absolute
+deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not decide), the
+timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU
+a verify of a few tokens costs about one step), never to plain decoding. So does a machine where other processes used
+more than BUSY_LIMIT CPU cores during the timings (from /proc/stat): a CPU hog beside a multi-threaded timing slows
+every size alike (the threads wait for each other), so the rounds agree and only the load tells that the timings are
+disturbed. `tree.json` records what was measured; `stale_reason` says when a recorded calibration must not be reused
+(noisy, no tree, another device, thread count or linear kernel, an older format).
 """
 
 from __future__ import annotations
@@ -174,8 +174,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time); of the
     sizes within NEAR_BEST of the maximum, the largest. The optimum is often flat over several sizes, and the
     model undercounts larger trees: context lookup (inference/lookup.py) verifies chains as long as the tree's
-    node count, which the heads' accuracies do not predict (`make demo` measured tau 2.08 with 12 nodes and 1.58
-    with 3 for Medusa-1 +lookup, 1.74 and 1.40 without lookup; README, "Measured").
+    node count, which the heads' accuracies do not predict.
 
     The draft is timed with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting a dynamic
     tree of that size and depth), per size. Each size n is timed as one tree forward of n tokens over a cache of

@@ -1,10 +1,10 @@
 """The target's linear layers through oneDNN with packed weights, for decoding on a CPU in float32.
 
 At batch 1 a decode step multiplies a few rows (1 for plain decoding, the tree's nodes when verifying) by every
-weight matrix. PyTorch's default CPU path (MKL sgemm) reads each weight once per row for 2-3 rows on some CPUs
-(on this project's AMD EPYC machine the 49152 x 576 lm_head took 6.9 / 13.7 / 20.7 / 12.7 ms for 1 / 2 / 3 / 4
-rows), so a small tree cost 1.5-2x a one-token step and no tree paid. oneDNN's linear over a weight converted once
-costs about the same for 1 to 8 rows (README, "Measured"). `use_onednn_linears(model)` swaps every `nn.Linear` for
+weight matrix. PyTorch's default CPU path (MKL sgemm) can read each weight once per row when there are only a few
+rows, so verifying a small tree costs a multiple of a one-token step and no tree pays. oneDNN's linear over a weight
+converted once reads it once for a few rows alike, so a small tree costs about a one-token step (the README's
+"Measured" table has the timings). `use_onednn_linears(model)` swaps every `nn.Linear` for
 `OneDNNLinear`, which keeps the original Parameters (tied weights, state_dict and fingerprint unchanged) and adds
 the packed copy. Inference only: the packed copy does not follow later changes of the weights, and it has no
 gradient. Plain and speculative decoding then run on the same arithmetic, so greedy outputs stay comparable.

@@ -29,24 +29,25 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from inference.attention import gqa_sdpa
+from inference.attention import attention_implementation, gqa_sdpa
 from inference.cpu_linear import OneDNNLinear, linear_kernel, use_onednn_linears
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
-_row_keys: list[torch.Tensor] | None = None  # per query row, the key positions it attends to (set by rowwise_sdpa)
 
 
 def rowwise_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                           row_key_positions: Sequence[torch.Tensor] | None = None,
                            **kwargs) -> tuple[torch.Tensor, None]:
-    """query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None): row t attends to key positions
-    _row_keys[t] only, through the call a one-token decode step makes (no mask, its own gqa handling)."""
-    if _row_keys is None or len(_row_keys) != query.shape[2]:  # not a tree step (e.g. the prefill)
+    """query [B, Hq, T, D], key/value [B, Hkv, S, D] -> ([B, T, Hq, D], None): row t attends to the key positions
+    row_key_positions[t] only, through the call a one-token decode step makes (no mask, its own gqa handling).
+    Without row_key_positions (a forward that is not a tree step) it is transformers' sdpa attention."""
+    if row_key_positions is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows = [sdpa_attention_forward(module, query[:, :, t:t + 1], key.index_select(2, idx), value.index_select(2, idx),
                                    None, dropout=dropout, scaling=scaling, **kwargs)[0]  # [B, 1, Hq, D]
-            for t, idx in enumerate(_row_keys)]
+            for t, idx in enumerate(row_key_positions)]
     return torch.cat(rows, dim=1), None
 
 
@@ -54,23 +55,15 @@ AttentionInterface.register(ROWWISE_SDPA, rowwise_sdpa_attention)
 AttentionMaskInterface.register(ROWWISE_SDPA, sdpa_mask)
 
 
-@contextlib.contextmanager
-def rowwise_sdpa(model: PreTrainedModel, attention_mask: torch.Tensor):
-    """Run an `sdpa` target with rowwise_sdpa_attention inside the block, rows read from the additive mask
-    [1, 1, T, S] (0 = attend). One device-to-host copy of the mask per call."""
-    global _row_keys
-    config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+def attended_key_positions(model: PreTrainedModel, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per query row of the additive mask [1, 1, T, S] (0 = attend), the key positions it attends to: T tensors
+    [n_t] on the mask's device, for rowwise_sdpa_attention. One device-to-host copy of the mask per call."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "sdpa":
         raise ValueError(f"exact verification reproduces sdpa's one-token step; this target's attention is "
-                         f"{getattr(config, '_attn_implementation', None)!r}: load it with attn_implementation='sdpa'")
+                         f"{implementation!r}: load it with attn_implementation='sdpa'")
     allowed = (attention_mask[0, 0] == 0).cpu()  # [T, S]
-    _row_keys = [row.nonzero().squeeze(1).to(attention_mask.device) for row in allowed]
-    config._attn_implementation = ROWWISE_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
-        _row_keys = None
+    return [row.nonzero().squeeze(1).to(attention_mask.device) for row in allowed]
 
 
 def sync(device: torch.device) -> None:
@@ -81,8 +74,9 @@ def sync(device: torch.device) -> None:
 
 def rows_invariant(model: PreTrainedModel, rows: int = 8) -> bool:
     """Whether this device's matmul gives each row the same bits whatever the number of rows (1 vs `rows`), for
-    every linear layer of the target: what `exact=True` needs besides its attention (on this x86 CPU: bf16 with 2
-    threads yes; bf16 with 1 thread not for a 1536-wide input at 4+ rows; fp32 through MKL no: 1 row is a gemv)."""
+    every linear layer of the target: what `exact=True` needs besides its attention. It depends on the kernel the
+    matmul picks for the row count, the thread count and the dtype (e.g. MKL runs one fp32 row as a gemv), so it is
+    measured on the loaded model rather than assumed."""
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, OneDNNLinear)):  # through the module: its kernel may be switched
             weight = module.weight  # [out, in]
@@ -126,7 +120,8 @@ def target_forward(model: PreTrainedModel, input_ids: torch.Tensor, cache: Dynam
     if feature_layers:
         kwargs["output_hidden_states"] = True
     if exact and attention_mask is not None:
-        attention = rowwise_sdpa(model, attention_mask)
+        kwargs["row_key_positions"] = attended_key_positions(model, attention_mask)  # to each attention call
+        attention = attention_implementation(model, ROWWISE_SDPA)
     else:
         attention = gqa_sdpa(model, input_ids.device) if gqa else contextlib.nullcontext()
     with attention:

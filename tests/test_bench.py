@@ -11,7 +11,10 @@ import torch
 from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
-from inference.bench import Method, Run, main, markdown, summarise_all, versus_best_other
+from inference.bench import main
+from inference.bench_methods import Method, Run
+from inference.bench_report import markdown
+from inference.bench_summary import summarise_all, versus_best_other
 from inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories

@@ -16,7 +16,10 @@ from test_infer_generate import VOCAB, OracleProposer, random_heads
 from test_medusa_train import base_args as medusa_args
 from test_medusa_train import write_selfdistilled
 
-from inference.bench import NEAR_TIE_ULPS, Method, Run, mismatch_table, near_tie, summarise_all
+from inference.bench_methods import Method, Run
+from inference.bench_near_tie import NEAR_TIE_ULPS, near_tie
+from inference.bench_report import mismatch_table
+from inference.bench_summary import summarise_all
 from inference.forward import rows_invariant
 from inference.generate import Speculator
 from inference.tree import tree_from_choices
