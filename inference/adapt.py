@@ -32,7 +32,7 @@ from inference.lookup import ContextIndex
 from inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
 
 Key = tuple
-# Target step cost by tokens verified over a one-token step, the README's "Measured" table (SmolLM2-135M, oneDNN
+# Target step cost by tokens verified over a one-token step, docs/measured.md (SmolLM2-135M, oneDNN
 # linears, 2 CPU cores): the curve used until `--tree auto` has measured this device's.
 PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
 # The heads' draft over a one-token step, by tree nodes (0: any size), the same table: an EAGLE-3 draft growing 8

@@ -18,7 +18,7 @@ prompt-lookup decoding.
 "exact" rows verify each tree node with a one-token step's attention (inference/forward.py), the option that
 keeps half-precision greedy output plain greedy's.
 
-Figures (defined here; the README's "Benchmark" section reports them):
+Figures (defined here; docs/benchmark.md reports them):
   tau        tokens generated / target forwards after the one that reads the prompt (bonus token included;
              for vanilla 1 by definition; prompt-lookup: counted with a forward hook on the target)
   tokens/s   generated tokens / wall seconds including the prefill, summed over prompts (total / total),

@@ -155,9 +155,7 @@ def speculator_for(entry: HeadsEntry, model: PreTrainedModel, tokenizer, target_
         model = merge_adapter(model, entry.path / ADAPTER_DIR)
     weight = next(model.parameters())
     heads = entry.heads.to(device=weight.device, dtype=weight.dtype)
-    spec = Speculator(model, heads, tokenizer, heads_dir=entry.path)
-    spec.set_tree(tree)
-    return spec
+    return Speculator(model, heads, tokenizer, tree=tree, heads_dir=entry.path)
 
 
 def heads_method(entry: HeadsEntry, spec: Speculator, stops: Sequence[int], device: torch.device, lookup: bool,

@@ -88,6 +88,32 @@ class TreeCalibration:
         return {k: {str(size): x for size, x in v.items()} if isinstance(v, dict) else v for k, v in record.items()}
 
 
+def write_tree_record(heads_dir: Path, calib: TreeCalibration, accuracy: Sequence[Sequence[float]] | None) -> None:
+    """Store a calibration as the heads dir's tree.json (with the accuracies it sized the tree for). OSError when
+    the directory is not writable (a read-only Hub cache)."""
+    record = calib.to_json()
+    if accuracy is not None:
+        record["accuracy"] = [list(row) for row in accuracy]
+    (heads_dir / TREE_FILE).write_text(json.dumps(record, indent=1))
+
+
+def read_tree_record(path: Path) -> dict | None:
+    """A tree.json written by write_tree_record, or None when the file is not one (e.g. a hand-written tree file
+    with only "choices" is a tree file, but no calibration record)."""
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and "choices" in record else None
+
+
+def step_cost_points(record: dict) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+    """(step_ms, draft_ratio) of a calibration record, tree.json's string keys as ints; None where absent."""
+    step_ms = {int(n): float(ms) for n, ms in (record.get("step_ms") or {}).items()} or None
+    draft = {int(n): float(r) for n, r in (record.get("draft_ratio") or {}).items()} or None
+    return step_ms, draft
+
+
 def monotone_fit(times: dict[int, float]) -> dict[int, float]:
     """Least-squares non-decreasing fit of step time vs tree size (pool adjacent violators).
 

@@ -3,8 +3,8 @@
 At batch 1 a decode step multiplies a few rows (1 for plain decoding, the tree's nodes when verifying) by every
 weight matrix. PyTorch's default CPU path (MKL sgemm) can read each weight once per row when there are only a few
 rows, so verifying a small tree costs a multiple of a one-token step and no tree pays. oneDNN's linear over a weight
-converted once reads it once for a few rows alike, so a small tree costs about a one-token step (the README's
-"Measured" table has the timings). `use_onednn_linears(model)` swaps every `nn.Linear` for
+converted once reads it once for a few rows alike, so a small tree costs about a one-token step (docs/measured.md has
+the timings). `use_onednn_linears(model)` swaps every `nn.Linear` for
 `OneDNNLinear`, which keeps the original Parameters (tied weights, state_dict and fingerprint unchanged) and adds
 the packed copy. Inference only: the packed copy does not follow later changes of the weights, and it has no
 gradient. Plain and speculative decoding then run on the same arithmetic, so greedy outputs stay comparable.

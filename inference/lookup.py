@@ -7,7 +7,7 @@ of the heads' tree, with the same node count, so a step costs the same; without 
 Lossless like any other draft: a chain is a deterministic tree.
 
 min_ngram 2 was chosen over 1 and 3 by simulation on the vanilla outputs of held-out chat and HumanEval prompts
-(the highest tau on both); the README gives what the benchmark then measured (`--lookup both`).
+(the highest tau on both); docs/measured.md gives what the benchmark then measured (`--lookup both`).
 """
 
 from __future__ import annotations

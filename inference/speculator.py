@@ -19,7 +19,8 @@ from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
-                                 eagle_draft_timer, read_accuracy, stale_reason)
+                                 eagle_draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
+                                 write_tree_record)
 from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
                              medusa_draft_prior)
 from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
@@ -43,8 +44,8 @@ class Speculator:
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
-                 choices: Sequence[Sequence[int]] | None = None, heads_dir: Path | None = None, lookup: bool = True,
-                 exact: bool = False, onednn: bool = True, adaptive: bool = True):
+                 tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None = None, heads_dir: Path | None = None,
+                 lookup: bool = True, exact: bool = False, onednn: bool = True, adaptive: bool = True):
         if onednn:  # float32 on a CPU: the target's and the heads' linear layers through oneDNN, in place
             use_onednn_linears(model)
             use_onednn_linears(heads)
@@ -69,7 +70,7 @@ class Speculator:
                               if share else None)
         self.tree: Tree | None = None  # Medusa: the static tree
         self.dynamic: DynamicTreeConfig | None = None  # EAGLE: the dynamic tree's size
-        self.set_tree("default" if choices is None else choices)
+        self.set_tree(tree)  # see from_pretrained for the values
 
     @property
     def tree_size(self) -> int:
@@ -100,9 +101,7 @@ class Speculator:
         except HeadsLoadError as err:
             raise SpeculatorError(str(err)) from err
         module = module.to(next(model.parameters()).device)
-        spec = cls(model, module, tokenizer or tok, choices=None, heads_dir=heads_dir)
-        spec.set_tree(tree)
-        return spec
+        return cls(model, module, tokenizer or tok, tree=tree, heads_dir=heads_dir)
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None) -> None:
         """See `from_pretrained` for the accepted values (EAGLE: also a DynamicTreeConfig)."""
@@ -147,16 +146,13 @@ class Speculator:
 
     def _saved_tree(self, saved: Path) -> str:
         """The heads dir's tree.json if its calibration can be reused here, else "auto" (measure again)."""
-        try:
-            record = json.loads(saved.read_text())
-        except json.JSONDecodeError:
-            record = None
-        if not isinstance(record, dict) or "choices" not in record:
+        record = read_tree_record(saved)
+        if record is None:
             return str(saved)  # not a calibration record: its own error message, below
         why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
                            linear_kernel(self.model))
         if why is None:
-            self._use_step_cost(record.get("step_ms"), record.get("draft_ratio"))
+            self._use_step_cost(*step_cost_points(record))
             return str(saved)
         print(f"note: not reusing {saved}: {why}; calibrating the tree again", file=sys.stderr)
         return "auto"
@@ -180,23 +176,18 @@ class Speculator:
             print(f"note: {calib.fallback_reason()}; using the fallback tree of {len(calib.choices) + 1} nodes",
                   file=sys.stderr)
         if self.heads_dir is not None:
-            record = calib.to_json()
-            if accuracy is not None:
-                record["accuracy"] = accuracy
             try:
-                (self.heads_dir / TREE_FILE).write_text(json.dumps(record, indent=1))
+                write_tree_record(self.heads_dir, calib, accuracy)
             except OSError as err:  # a read-only Hub cache: keep the choice in memory only
                 print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
         self._use_choices(calib.choices)
         self._use_step_cost(calib.step_ms, calib.draft_ratio)
         return calib
 
-    def _use_step_cost(self, step_ms: dict | None, draft_ratio: dict | None) -> None:
-        """The adaptive policy's step-cost curve from a calibration (tree.json's string keys accepted)."""
+    def _use_step_cost(self, step_ms: dict[int, float] | None, draft_ratio: dict[int, float] | None) -> None:
+        """The adaptive policy's step-cost curve from a calibration."""
         if step_ms:
-            draft = {int(n): float(r) for n, r in (draft_ratio or {}).items()} or None
-            self.step_cost = StepCost({int(n): float(ms) for n, ms in step_ms.items()},
-                                      draft if draft is not None else self.step_cost.draft)
+            self.step_cost = StepCost(step_ms, draft_ratio if draft_ratio else self.step_cost.draft)
 
     def make_policy(self, lookup: bool) -> AdaptivePolicy:
         """A fresh adaptive policy for one generation: the heads' recorded accuracies as its prior, this device's

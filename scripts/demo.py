@@ -7,12 +7,12 @@ each time and is kept, so several runs give the speedup's run-to-run median):
   1. self-distillation: the target answers `num_prompts` prompts (chitchat + Python code, taken in turn)
   2. Medusa-1 heads on those answers (recipes/smollm2-135m/medusa.yaml; the target's features computed once)
   3. the benchmark on held-out chitchat + HumanEval prompts against plain HF greedy, tree sized by `--tree auto`
-     (the heads alone, and with chains found in the context; HF's prompt-lookup baseline is left to the README)
+     (the heads alone, and with chains found in the context; HF's prompt-lookup baseline is in docs/benchmark.md)
 Then it prints one table (tau, speedup with its per-prompt spread, identical outputs, each stage's minutes) and
 what to run next; the same text is written to OUTPUT_DIR/summary.md, the stage times to OUTPUT_DIR/stages.json.
 
 Only Medusa-1 is trained: on 2 CPU cores it reached a higher speedup than EAGLE-3 on the same data and trains in
-half the time (README, "Measured"). The recipes train the other methods.
+half the time (docs/measured.md). The recipes train the other methods.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
         lines.append(f"| {name} | reused | - |" if st.get("reused") else
                      f"| {name} | {st['minutes']:.1f} | {st['cpu_minutes']:.1f} |")
     lines += ["", "Next:",
-              "- the full recipes (768 prompts; Medusa-1, EAGLE-3, EAGLE-1): README, \"Stage 1\" and \"Stage 2\"",
+              "- the full recipes (768 prompts; Medusa-1, EAGLE-3, EAGLE-1): docs/training.md",
               "- your own target on a GPU: `python train/selfdistill.py --target HUB_ID --device cuda --dtype bfloat16 "
               "--output_dir runs/sd-mine`, then `accelerate launch train/eagle.py --config "
               "recipes/llama-3.1-8b-instruct/eagle3.yaml` (or its qwen2.5-7b-instruct sibling)",

