@@ -6,8 +6,8 @@ On a CPU a forward over a few more tokens costs more than one, so trees come out
 Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates each
 round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided by the
 1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a spike in a
-minority of rounds moves no median. The medians are then fitted with one non-decreasing curve over all sizes
-(monotone_fit). When the rounds disagree too much overall (the median, over every size's samples, of their absolute
+minority of rounds moves no median. The choice reads one robust straight line through all those ratios above size 1
+(line_fit), so noise at one size cannot flip it. When the rounds disagree too much overall (the median, over every size's samples, of their absolute
 deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not decide), the
 timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU
 a verify of a few tokens costs about one step), never to plain decoding. So does a machine where other processes used
@@ -51,7 +51,7 @@ Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft
 class TreeCalibration:
     choices: list[list[int]]
     expected_accept_length: float
-    step_ms: dict[int, float]  # tree size (root included) -> median 1-token step ms x step_ratio (monotone fit)
+    step_ms: dict[int, float]  # tree size (root included) -> median 1-token step ms x line_fit's ratio
     raw_step_ms: dict[int, float]  # the same before the fit
     step_ratio: dict[int, float]  # median over rounds of (size's ms / the 1-token step's ms in the same round)
     spread: dict[int, float]  # relative median absolute deviation of those per-round ratios
@@ -114,26 +114,20 @@ def step_cost_points(record: dict) -> tuple[dict[int, float] | None, dict[int, f
     return step_ms, draft
 
 
-def monotone_fit(times: dict[int, float]) -> dict[int, float]:
-    """Least-squares non-decreasing fit of step time vs tree size (pool adjacent violators).
+def line_fit(ratios: dict[int, list[float]]) -> dict[int, float]:
+    """One straight line through every timing of the sizes above 1 (Theil-Sen: the median of the slopes between all
+    pairs of samples at different sizes, then the median intercept), as the step cost at each size; size 1 keeps its
+    own ratio of 1. ratios: size -> per-round ratios to the 1-token step. -> size -> fitted ratio.
 
-    A bigger tree never costs less; on a busy machine a small size can still time slower than a bigger
-    one, which would make big trees look cheap. Pooling such inversions removes that noise.
+    A tree's forward costs a fixed part plus a part that grows with its tokens; one line over all samples is steadier
+    than a median per size (a few noisy rounds at one size move no choice), and a bigger tree never comes out cheaper
+    (the slope is at least 0). A line through fewer than two sizes is flat at their median.
     """
-    sizes = sorted(times)
-    blocks: list[list[float]] = []  # [mean, count]
-    for size in sizes:
-        blocks.append([times[size], 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
-    fitted: dict[int, float] = {}
-    i = 0
-    for mean, count in blocks:
-        for _ in range(int(count)):
-            fitted[sizes[i]] = mean
-            i += 1
-    return fitted
+    points = [(size, r) for size, samples in ratios.items() if size > 1 for r in samples]
+    slopes = [(r2 - r1) / (n2 - n1) for i, (n1, r1) in enumerate(points) for n2, r2 in points[i + 1:] if n2 != n1]
+    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
+    intercept = statistics.median(r - slope * n for n, r in points) if points else 1.0
+    return {size: 1.0 if size == 1 else intercept + slope * size for size in sorted(ratios)}
 
 
 def time_ms(kind: str, size: int, run: Callable[[], None]) -> float:
@@ -260,7 +254,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     draft_ratio = {size: statistics.median(t / o for t, o in zip(samples[("draft", size)], one))
                    for kind, size in samples if kind == "draft"}
     one_ms = statistics.median(one)
-    fitted = monotone_fit(step_ratio)
+    fitted = line_fit(ratios)
     expected: dict[int, float] = {}
     for size, choices in per_size_choices.items():
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
