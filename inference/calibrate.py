@@ -6,8 +6,8 @@ On a CPU a forward over a few more tokens costs more than one, so trees come out
 Timings on a shared machine are noisy, so every size is timed in several rounds, round-robin (the order rotates each
 round, so load hits all sizes alike), and each size is judged by the median over rounds of its time divided by the
 1-token step timed in the same round: a machine that is uniformly slower leaves the choice unchanged, and a spike in a
-minority of rounds moves no median. The choice reads one robust straight line through all those ratios above size 1
-(line_fit), so noise at one size cannot flip it. When the rounds disagree too much overall (the median, over every size's samples, of their absolute
+minority of rounds moves no median. The medians are then fitted with one non-decreasing curve over all sizes
+(monotone_fit). When the rounds disagree too much overall (the median, over every size's samples, of their absolute
 deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not decide), the
 timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU
 a verify of a few tokens costs about one step), never to plain decoding. So does a machine where other processes used
@@ -51,7 +51,7 @@ Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft
 class TreeCalibration:
     choices: list[list[int]]
     expected_accept_length: float
-    step_ms: dict[int, float]  # tree size (root included) -> median 1-token step ms x line_fit's ratio
+    step_ms: dict[int, float]  # tree size (root included) -> median 1-token step ms x step_ratio (monotone fit)
     raw_step_ms: dict[int, float]  # the same before the fit
     step_ratio: dict[int, float]  # median over rounds of (size's ms / the 1-token step's ms in the same round)
     spread: dict[int, float]  # relative median absolute deviation of those per-round ratios
@@ -69,7 +69,7 @@ class TreeCalibration:
     rounds: int
     noisy: bool  # too noisy or machine busy (chosen_by says which): choices is the fallback tree, not the measured best
     noise_limit: float
-    chosen_by: str  # "measurement", "fallback: too noisy" or "fallback: machine busy"
+    chosen_by: str  # "measurement", "measurement, the previous tree kept", "fallback: too noisy" or "...: machine busy"
     other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
 
@@ -102,7 +102,7 @@ def read_tree_record(path: Path) -> dict | None:
     with only "choices" is a tree file, but no calibration record)."""
     try:
         record = json.loads(path.read_text())
-    except json.JSONDecodeError:
+    except (OSError, json.JSONDecodeError):  # no such file, unreadable, not JSON
         return None
     return record if isinstance(record, dict) and "choices" in record else None
 
@@ -114,20 +114,26 @@ def step_cost_points(record: dict) -> tuple[dict[int, float] | None, dict[int, f
     return step_ms, draft
 
 
-def line_fit(ratios: dict[int, list[float]]) -> dict[int, float]:
-    """One straight line through every timing of the sizes above 1 (Theil-Sen: the median of the slopes between all
-    pairs of samples at different sizes, then the median intercept), as the step cost at each size; size 1 keeps its
-    own ratio of 1. ratios: size -> per-round ratios to the 1-token step. -> size -> fitted ratio.
+def monotone_fit(times: dict[int, float]) -> dict[int, float]:
+    """Least-squares non-decreasing fit of step time vs tree size (pool adjacent violators).
 
-    A tree's forward costs a fixed part plus a part that grows with its tokens; one line over all samples is steadier
-    than a median per size (a few noisy rounds at one size move no choice), and a bigger tree never comes out cheaper
-    (the slope is at least 0). A line through fewer than two sizes is flat at their median.
+    A bigger tree never costs less; on a busy machine a small size can still time slower than a bigger
+    one, which would make big trees look cheap. Pooling such inversions removes that noise.
     """
-    points = [(size, r) for size, samples in ratios.items() if size > 1 for r in samples]
-    slopes = [(r2 - r1) / (n2 - n1) for i, (n1, r1) in enumerate(points) for n2, r2 in points[i + 1:] if n2 != n1]
-    slope = max(0.0, statistics.median(slopes)) if slopes else 0.0
-    intercept = statistics.median(r - slope * n for n, r in points) if points else 1.0
-    return {size: 1.0 if size == 1 else intercept + slope * size for size in sorted(ratios)}
+    sizes = sorted(times)
+    blocks: list[list[float]] = []  # [mean, count]
+    for size in sizes:
+        blocks.append([times[size], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    fitted: dict[int, float] = {}
+    i = 0
+    for mean, count in blocks:
+        for _ in range(int(count)):
+            fitted[sizes[i]] = mean
+            i += 1
+    return fitted
 
 
 def time_ms(kind: str, size: int, run: Callable[[], None]) -> float:
@@ -190,11 +196,15 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
                    draft_for: Callable[[list[list[int]]], Callable[[], None]] | None = None,
                    timer: Timer | None = None, noise_limit: float = NOISE_LIMIT,
                    fallback_nodes: int = FALLBACK_NODES,
-                   busy_probe: Callable[[], tuple[float | None, float]] | None = None) -> TreeCalibration:
+                   busy_probe: Callable[[], tuple[float | None, float]] | None = None,
+                   previous: Sequence[Sequence[int]] | None = None) -> TreeCalibration:
     """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time); of the
     sizes within NEAR_BEST of the maximum, the largest. The optimum is often flat over several sizes, and the
     model undercounts larger trees: context lookup (inference/lookup.py) verifies chains as long as the tree's
-    node count, which the heads' accuracies do not predict.
+    node count, which the heads' accuracies do not predict. Where the optimum is flat, timing noise alone moves
+    which sizes fall within NEAR_BEST, so `previous` (the choices of an earlier calibration on this device, from
+    tree.json) is kept while it is still within NEAR_BEST of the best: calibrating again does not flip the tree
+    between near-equal sizes.
 
     The draft is timed with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting a dynamic
     tree of that size and depth), per size. Each size n is timed as one tree forward of n tokens over a cache of
@@ -254,18 +264,21 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     draft_ratio = {size: statistics.median(t / o for t, o in zip(samples[("draft", size)], one))
                    for kind, size in samples if kind == "draft"}
     one_ms = statistics.median(one)
-    fitted = line_fit(ratios)
+    fitted = monotone_fit(step_ratio)
     expected: dict[int, float] = {}
     for size, choices in per_size_choices.items():
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
     busy = device.type == "cpu" and other_cores is not None and other_cores > BUSY_LIMIT
     noisy = pooled_spread > noise_limit or busy
+    kept = False
     if noisy:
         choices = best_choices(accuracy, fallback_nodes)
-    else:  # the largest size near the best: see calibrate_tree's docstring
+    else:  # the largest size near the best, or the previous calibration's when it is still near: see the docstring
         best = max(expected.values())
-        choices = per_size_choices[max(s for s in expected if expected[s] >= (1 - NEAR_BEST) * best)]
+        near = [s for s in expected if expected[s] >= (1 - NEAR_BEST) * best]
+        kept = previous is not None and [list(c) for c in previous] in [per_size_choices[s] for s in near]
+        choices = [list(c) for c in previous] if kept else per_size_choices[max(near)]
     size = len(choices) + 1
     draft_ms = one_ms * draft_ratio.get(0 if draft_for is None else size, 0.0)
     return TreeCalibration(
@@ -276,7 +289,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         draft_ratio=draft_ratio,
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
-        chosen_by="fallback: machine busy" if busy else "fallback: too noisy" if noisy else "measurement",
+        chosen_by=("fallback: machine busy" if busy else "fallback: too noisy" if noisy
+                   else "measurement, the previous tree kept" if kept else "measurement"),
         other_cores=other_cores, choices_by_size=per_size_choices)
 
 

@@ -171,7 +171,7 @@ class Speculator:
         if self.is_eagle and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,
-                               draft_for, timer)
+                               draft_for, timer, previous=self._previous_choices())
         if calib.noisy:
             print(f"note: {calib.fallback_reason()}; using the fallback tree of {len(calib.choices) + 1} nodes",
                   file=sys.stderr)
@@ -183,6 +183,14 @@ class Speculator:
         self._use_choices(calib.choices)
         self._use_step_cost(calib.step_ms, calib.draft_ratio)
         return calib
+
+    def _previous_choices(self) -> list[list[int]] | None:
+        """The tree an earlier calibration in the heads dir chose on this device (None: none, or not reusable)."""
+        record = read_tree_record(self.heads_dir / TREE_FILE) if self.heads_dir is not None else None
+        if record is None or stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
+                                          linear_kernel(self.model)) is not None:
+            return None
+        return record["choices"]
 
     def _use_step_cost(self, step_ms: dict[int, float] | None, draft_ratio: dict[int, float] | None) -> None:
         """The adaptive policy's step-cost curve from a calibration."""

@@ -206,3 +206,38 @@ def test_where_the_optimum_is_flat_steady_jitter_of_2_percent_keeps_the_choice(m
     assert [flat_choice_size(model_and_heads, jitter) for jitter in [{}] + JITTERS] == [12, 12, 12]
     monkeypatch.setattr(calibrate_module, "NEAR_BEST", 0.0)
     assert [flat_choice_size(model_and_heads, jitter) for jitter in [{}] + JITTERS] == [12, 8, 12]
+
+
+def test_calibrating_again_keeps_the_previous_tree_while_it_is_still_near_the_best(model_and_heads):
+    """On FLAT_MS sizes 4-12 are within NEAR_BEST of each other: a previous 8-node choice is kept (the measurement
+    alone picks 12), one outside the band (2 nodes) is not."""
+    model, heads = model_and_heads
+    timer = lambda: ScriptedTimer(base=FLAT_MS)  # noqa: E731
+    fresh = calibrate_tree(model, heads, FLAT_ACCURACY, prefix_len=32, timer=timer())
+    eight = fresh.choices_by_size[8]
+    again = calibrate_tree(model, heads, FLAT_ACCURACY, prefix_len=32, timer=timer(), previous=eight)
+    assert len(fresh.choices) + 1 == 12 and again.choices == eight
+    assert again.chosen_by == "measurement, the previous tree kept" and fresh.chosen_by == "measurement"
+    assert again.expected_tokens_per_s[8] >= (1 - calibrate_module.NEAR_BEST) * max(again.expected_tokens_per_s.values())
+    far = calibrate_tree(model, heads, FLAT_ACCURACY, prefix_len=32, timer=timer(), previous=fresh.choices_by_size[2])
+    assert far.choices == fresh.choices and far.chosen_by == "measurement"
+
+
+def test_the_speculator_hands_its_last_calibration_to_the_next(model_and_heads, tmp_path):
+    """Speculator.calibrate passes the heads dir's tree.json choice on: calibrating the same heads again keeps it
+    while it is near the best, and its own pick when the record is no calibration of this device."""
+    model, heads = model_and_heads
+    spec = Speculator(model, heads, heads_dir=tmp_path)
+    first = spec.calibrate(timer=ScriptedTimer(base=FLAT_MS))
+    record = json.loads((tmp_path / "tree.json").read_text())
+    assert record["choices"] == first.choices and first.chosen_by == "measurement"
+    best = max(first.expected_tokens_per_s.values())
+    near = sorted(n for n, e in first.expected_tokens_per_s.items() if e >= (1 - calibrate_module.NEAR_BEST) * best)
+    assert len(near) >= 2 and len(first.choices) + 1 == near[-1]  # a flat optimum: another size is near the best
+    record["choices"] = first.choices_by_size[near[0]]  # as if the last calibration had landed on that one
+    (tmp_path / "tree.json").write_text(json.dumps(record))
+    second = spec.calibrate(timer=ScriptedTimer(base=FLAT_MS))
+    assert second.choices == first.choices_by_size[near[0]] and second.chosen_by == "measurement, the previous tree kept"
+    (tmp_path / "tree.json").write_text(json.dumps(dict(record, threads=7)))  # measured with other threads: not handed on
+    third = spec.calibrate(timer=ScriptedTimer(base=FLAT_MS))
+    assert third.choices == first.choices and third.chosen_by == "measurement"

@@ -13,7 +13,7 @@ from conftest import tiny_model
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
 from heads.chat import prompt_ids
-from inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, line_fit, read_accuracy
+from inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, monotone_fit, read_accuracy
 from inference.cpu_linear import projection
 from inference.decode import SamplingConfig, speculative_generate
 from inference.generate import Speculator, SpeculatorError, TextStream, main
@@ -641,16 +641,10 @@ def test_root_only_tree_is_plain_decoding():
     assert spec.tree.size == 1 and out.stats.decode_forwards == 19 and out.stats.accept_hist == [19]
 
 
-def test_line_fit_is_one_robust_line_through_every_sample():
-    exact = {1: [1.0] * 3, 2: [1.2] * 3, 4: [1.4] * 3, 8: [1.8] * 3}  # 1 + 0.1 n above size 1
-    assert line_fit(exact) == pytest.approx({1: 1.0, 2: 1.2, 4: 1.4, 8: 1.8})
-    # one size timed wildly in every round, another in one round: the line through the rest does not move
-    noisy = {1: [1.0] * 3, 2: [1.2, 1.2, 1.2], 3: [1.3, 1.3, 1.3], 4: [0.5, 0.6, 0.4], 6: [1.6, 9.0, 1.6],
-             8: [1.8, 1.8, 1.8], 16: [2.6, 2.6, 2.6]}
-    fitted = line_fit(noisy)
-    assert fitted[2] == pytest.approx(1.2) and fitted[16] == pytest.approx(2.6) and fitted[4] == pytest.approx(1.4)
-    # a bigger tree never comes out cheaper: a falling line is flat at the median
-    assert line_fit({1: [1.0], 2: [1.5, 1.5], 8: [1.1, 1.1]}) == pytest.approx({1: 1.0, 2: 1.3, 8: 1.3})
+def test_monotone_fit_pools_timing_inversions():
+    assert monotone_fit({1: 10.0, 4: 12.0, 8: 20.0}) == {1: 10.0, 4: 12.0, 8: 20.0}
+    fitted = monotone_fit({1: 36.0, 4: 24.0, 8: 48.0, 16: 61.0, 32: 67.0, 64: 53.0})
+    assert fitted == pytest.approx({1: 30.0, 4: 30.0, 8: 48.0, 16: 181 / 3, 32: 181 / 3, 64: 181 / 3})
 
 
 def test_stop_token_as_the_first_token():
