@@ -61,51 +61,28 @@ class AdaptConfig:
     decay: float = 0.7  # per trial: an estimate follows about the last 1 / (1 - decay) trials
     prior_weight: float = 0.5  # the prior counts as this many trials
     probe_every: int = 4  # steps a source can go unverified before it is verified once at its smallest
-    forget: float = 1.0  # per verification, an untried deeper key's counts drift back toward the prior (RateTable)
 
 
 class RateTable:
     """P(accepted | parent accepted) per key: decayed hit and trial counts, starting from the prior as `weight`
-    trials (which decay like any other, so a draft that stopped paying falls to its observed rate).
+    trials (which decay like any other, so a draft that stopped paying falls to its observed rate)."""
 
-    A key below the first level (heads depth 2+, lookup position 2+) is verified only when the tree includes it, so
-    one bad run could keep it out for good: while it goes untried its counts drift back toward the prior's,
-    by `forget` per verification (1.0: no drift)."""
-
-    def __init__(self, prior, decay: float, weight: float, forget: float = 1.0):
+    def __init__(self, prior, decay: float, weight: float):
         self.prior = prior  # key -> prior rate
         self.decay = decay
         self.weight = weight
-        self.forget = forget
-        self.counts: dict[Key, list[float]] = {}  # key -> [hits, trials, verification when last updated]
-        self.now = 0  # verifications so far
-
-    def _drifted(self, key: Key, counts: list[float]) -> tuple[float, float]:
-        hits, trials, when = counts
-        if self.forget >= 1.0 or when == self.now or not _below_first_level(key):
-            return hits, trials
-        keep = self.forget ** (self.now - when)
-        return hits * keep + self.weight * self.prior(key) * (1 - keep), trials * keep + self.weight * (1 - keep)
+        self.counts: dict[Key, list[float]] = {}  # key -> [hits, trials]
 
     def rate(self, key: Key) -> float:
         counts = self.counts.get(key)
-        if counts is None:
-            return self.prior(key)
-        hits, trials = self._drifted(key, counts)
-        return hits / trials
+        return self.prior(key) if counts is None else counts[0] / counts[1]
 
     def observe(self, key: Key, hit: bool) -> None:
         counts = self.counts.get(key)
-        hits, trials = (self.weight * self.prior(key), self.weight) if counts is None else self._drifted(key, counts)
-        self.counts[key] = [hits * self.decay + float(hit), trials * self.decay + 1.0, self.now]
-
-    def tick(self) -> None:
-        """One verification done."""
-        self.now += 1
-
-
-def _below_first_level(key: Key) -> bool:
-    return key[1] >= 1 if key[0] == "heads" else key[3] >= 2
+        if counts is None:
+            counts = self.counts[key] = [self.weight * self.prior(key), self.weight]
+        counts[0] = counts[0] * self.decay + float(hit)
+        counts[1] = counts[1] * self.decay + 1.0
 
 
 class StepCost:
@@ -185,7 +162,7 @@ class AdaptivePolicy:
             _, n, _, position = key
             return LOOKUP_PRIOR_FIRST.get(n, max(LOOKUP_PRIOR_FIRST.values())) if position == 1 else LOOKUP_PRIOR_NEXT
 
-        self.rates = RateTable(prior, self.config.decay, self.config.prior_weight, self.config.forget)
+        self.rates = RateTable(prior, self.config.decay, self.config.prior_weight)
         self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
         # steps a source may go unverified before a probe: probe_every, doubled after each failed probe (up to
         # MAX_PROBE_GAP x), back to probe_every once it is chosen on its merits
@@ -305,7 +282,6 @@ class AdaptivePolicy:
 
     def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int]) -> None:
         """Learn from one verification: every node whose parent was accepted is a trial for its keys."""
-        self.rates.tick()
         accepted = set(path)
         hit_sources = set()
         for node in range(1, tree.size):
