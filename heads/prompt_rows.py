@@ -45,3 +45,14 @@ def package_file(package: str, relative: str, install: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise PromptSourceError(f"prompt source needs the `{install}` package: pip install {install}")
     return Path(list(spec.submodule_search_locations)[0]) / relative
+
+
+def pick_per_category(rows: list[PromptRow], per_category: int) -> list[PromptRow]:
+    """The first `per_category` rows of each category (task family), in the source's order."""
+    taken: collections.Counter = collections.Counter()
+    picked = []
+    for row in rows:
+        if taken[row.category] < per_category:
+            taken[row.category] += 1
+            picked.append(row)
+    return picked

@@ -20,19 +20,9 @@ from pathlib import Path
 import torch
 
 from heads.chat import prompt_ids
+from heads.prompt_rows import pick_per_category
 from heads.prompts import PromptSourceError, load_prompts
 from inference.speculator import Speculator, SpeculatorError
-
-
-def pick_per_category(rows: list, per_category: int) -> list:
-    """The first `per_category` rows of each category, in the source's order."""
-    taken: collections.Counter = collections.Counter()
-    picked = []
-    for row in rows:
-        if taken[row.category] < per_category:
-            taken[row.category] += 1
-            picked.append(row)
-    return picked
 
 
 def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool) -> dict:

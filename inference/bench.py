@@ -97,6 +97,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--heads", nargs="+", required=True, help="heads directories (globs ok) or Hub ids")
     parser.add_argument("--prompts", required=True, help="prompt source spec (see heads/prompts.py)")
     parser.add_argument("--num_prompts", type=int, default=20)
+    parser.add_argument("--per_category", type=int, default=None,
+                        help="instead of the first --num_prompts rows, the first N rows of each task family")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--output", required=True, help="directory for results.json, results.md, speedup.png")
     parser.add_argument("--device", default="cpu")
@@ -128,6 +130,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     if args.num_prompts < 1:
         raise BenchError(f"--num_prompts must be at least 1, got {args.num_prompts}")
+    if args.per_category is not None and args.per_category < 1:
+        raise BenchError(f"--per_category must be at least 1, got {args.per_category}")
     if args.max_new_tokens < 1:
         raise BenchError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     if not args.no_prompt_lookup and args.prompt_lookup_num_tokens < 1:
@@ -231,7 +235,8 @@ def bench_settings(args: argparse.Namespace, command: str, device: torch.device,
         "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
         "target": info.to_dict() if hasattr(info, "to_dict") else dict(info),
         "adapter_merged": str(entries[0].path) if entries[0].adapter else None,
-        "prompts": args.prompts, "num_prompts": args.num_prompts, "num_prompts_used": len(prompts),
+        "prompts": args.prompts, "num_prompts": args.num_prompts, "per_category": args.per_category,
+        "num_prompts_used": len(prompts),
         "skipped_prompts": skipped, "max_new_tokens": args.max_new_tokens,
         "tree": args.tree or "heads' tree.json, else default",
         "prompt_lookup_num_tokens": None if args.no_prompt_lookup else args.prompt_lookup_num_tokens,
@@ -251,12 +256,12 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     device = _device(args.device)
     entries = find_heads(args.heads)  # each heads directory loaded once, here
     target_name = common_target(entries, args.target)
-    rows = read_prompt_rows(args.prompts, args.num_prompts)
+    rows = read_prompt_rows(args.prompts, args.num_prompts, args.per_category)
     model, tokenizer, info, specs = load_speculators(entries, target_name, args, device)
     stops = stop_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else None)
     prompts, skipped = encode_prompts(rows, tokenizer, model, args.max_new_tokens)
-    if len(rows) < args.num_prompts:
+    if len(rows) < args.num_prompts and not args.per_category:
         print(f"note: {args.prompts!r} has only {len(rows)} usable rows (asked for {args.num_prompts})",
               file=sys.stderr)
 

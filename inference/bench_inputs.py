@@ -15,6 +15,7 @@ from heads.chat import prompt_ids
 from heads.directory import CONFIG_NAME, HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads
 from heads.prompt_rows import PromptRow
+from heads.prompt_rows import pick_per_category
 from heads.prompts import PromptSourceError, load_prompts
 from inference.decode import SpeculatorError, check_context
 
@@ -114,15 +115,16 @@ def common_target(entries: Sequence[HeadsEntry], target_override: str | None) ->
     return name
 
 
-def read_prompt_rows(spec: str, num_prompts: int) -> list[PromptRow]:
-    """The first `num_prompts` usable rows of the prompt source `spec` (heads/prompts.py)."""
+def read_prompt_rows(spec: str, num_prompts: int, per_category: int | None = None) -> list[PromptRow]:
+    """The first `num_prompts` usable rows of the prompt source `spec` (heads/prompts.py), or with per_category the
+    first that many of each category (task family)."""
     try:
-        source = load_prompts(spec, limit=num_prompts)
+        source = load_prompts(spec, limit=None if per_category else num_prompts)
     except PromptSourceError as err:
         raise BenchError(str(err)) from err
     if not source.rows:
         raise BenchError(f"prompt source {spec!r} gave no usable rows (skipped: {dict(source.skipped)})")
-    return source.rows
+    return pick_per_category(source.rows, per_category) if per_category else source.rows
 
 
 def encode_prompts(rows: Sequence[PromptRow], tokenizer, model: PreTrainedModel,

@@ -24,7 +24,8 @@ from typing import Sequence
 
 import torch
 
-from inference.adapt import HEADS_RANKS, AdaptivePolicy, StepCost
+from heads.prompt_rows import pick_per_category
+from inference.adapt import HEADS_RANKS, StepCost
 from inference.lookup import LookupConfig, chain_draft, lookup_continuation
 from inference.medusa import medusa_logits
 from inference.tree import Tree, static_tree_tokens, tree_from_choices
@@ -150,14 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: replay needs Medusa heads (an EAGLE draft's tree depends on its own state): use "
               "python -m inference.bench for EAGLE drafts", file=sys.stderr)
         return 2
-    taken: dict[str, int] = {}
-    chosen = []
-    for row in rows:
-        key = row.category or "other"
-        if taken.get(key, 0) < args.per_category:
-            taken[key] = taken.get(key, 0) + 1
-            chosen.append(row)
-    results = modeled(spec, references(spec, chosen, args.max_new_tokens))
+    results = modeled(spec, references(spec, pick_per_category(rows, args.per_category), args.max_new_tokens))
     keys = list(next(iter(results.values())))
     print("Modeled speedup over plain greedy (tau), replayed on the target's greedy outputs")
     print("| method | " + " | ".join(keys) + " |")

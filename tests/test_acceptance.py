@@ -10,7 +10,8 @@ import torch
 
 from heads.chat import prompt_ids
 from heads.prompts import PromptRow
-from inference.acceptance import main, pick_per_category
+from heads.prompt_rows import pick_per_category
+from inference.acceptance import main
 from inference.speculator import Speculator
 
 from test_bench import save_heads

@@ -12,6 +12,7 @@ from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from inference.bench import main
+from inference.bench_inputs import read_prompt_rows
 from inference.bench_methods import Method, Run
 from inference.bench_report import markdown
 from inference.bench_summary import summarise_all, versus_best_other
@@ -298,3 +299,12 @@ def test_speedup_spread_skips_prompts_without_tokens_and_is_in_the_report(result
     res["methods"]["a/heads"]["speedup_spread"] = spread
     assert "| a/heads | " in markdown(res) and "| 1.00-" in markdown(res) and " | 1.00x | 2.00x | 2.33x | 4.00x |" in (
         markdown(res))
+
+
+def test_per_category_takes_the_first_rows_of_each_family(tmp_path):
+    rows = [{"id": f"{c}{i}", "category": c, "turns": [f"{c} question {i}"]} for i in range(3) for c in "abc"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.id for r in read_prompt_rows(str(path), 20, per_category=2)] == ["a0", "b0", "c0", "a1", "b1", "c1"]
+    assert [r.id for r in read_prompt_rows(str(path), 4)] == ["a0", "b0", "c0", "a1"]  # without it: the first rows
+

@@ -20,6 +20,7 @@ import io
 import json
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -141,7 +142,7 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
     if module == "inference.generate":
         return args + ["--max_new_tokens", "8"]
     if module == "inference.bench":
-        return args + ["--num_prompts", "2", "--max_new_tokens", "8"]
+        return args + ["--num_prompts", "2", "--max_new_tokens", "8"] + (["--per_category", "1"] if "--per_category" in args else [])
     if module == "inference.forward":
         return args + ["--target", target, "--repeats", "2"]
     if module == "inference.acceptance":
@@ -250,10 +251,16 @@ def docs_target(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A scratch directory that sees the repo's recipes and test data, as a user's checkout would."""
+    """A scratch directory that sees the repo's recipes and test data, as a user's checkout would. tests/data is a
+    copy: a documented `--tree auto` writes tree.json into the heads directory it calibrates."""
     path = tmp_path_factory.mktemp("docs")
     (path / "recipes").symlink_to(ROOT / "recipes")
-    (path / "tests").symlink_to(ROOT / "tests")
+    (path / "tests").mkdir()
+    for entry in (ROOT / "tests").iterdir():
+        if entry.name == "data":
+            shutil.copytree(entry, path / "tests" / "data")
+        else:
+            (path / "tests" / entry.name).symlink_to(entry)
     return path
 
 
