@@ -28,7 +28,11 @@ def load_heads(dir_or_id: str | Path, target_info: Any = None, *, revision: str 
                device: str | torch.device = "cpu") -> MedusaHeads | EagleDraft:
     """Medusa heads or an EAGLE draft from a local directory or Hub id, in eval mode; with `target_info`
     (TargetInfo or dict), heads trained for another target are refused."""
-    heads_dir = resolve_heads_dir(dir_or_id, revision)
+    return _load_resolved(resolve_heads_dir(dir_or_id, revision), target_info, device)
+
+
+def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device) -> MedusaHeads | EagleDraft:
+    """load_heads once the directory is local."""
     method = read_method(heads_dir)
     if method in EAGLE_METHODS:
         config, module_class = read_config(heads_dir, EagleConfig, EAGLE_METHODS, "an EAGLE draft"), EagleDraft
@@ -38,7 +42,7 @@ def load_heads(dir_or_id: str | Path, target_info: Any = None, *, revision: str 
         raise HeadsLoadError(f"{heads_dir}/config.json has method {method!r}; headstart loads "
                              f"{', '.join(MEDUSA_METHODS + EAGLE_METHODS)}")
     if target_info is not None:
-        check_target(config, target_info, where=f"the heads in {dir_or_id}")
+        check_target(config, target_info, where=f"the heads in {heads_dir}")
     try:
         module = module_class(config)
     except (TypeError, ValueError) as err:
@@ -72,7 +76,7 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
             raise
         raise HeadsLoadError(f"the target {target!r} named in {heads_dir}/config.json could not be loaded ({err}). "
                              "Pass the target these heads were trained on with --target PATH (Python: target=)") from err
-    heads = load_heads(heads_dir, info, device=device)
+    heads = _load_resolved(heads_dir, info, device)
     if getattr(heads.config, "adapter", False):
         owned = isinstance(target, (str, Path))
         model = merge_adapter(model if owned else copy.deepcopy(model), heads_dir / ADAPTER_DIR)
