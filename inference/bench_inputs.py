@@ -14,8 +14,7 @@ from transformers import PreTrainedModel
 from heads.chat import prompt_ids
 from heads.directory import CONFIG_NAME, HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads
-from heads.prompt_rows import PromptRow
-from heads.prompt_rows import pick_per_category
+from heads.prompt_rows import PromptRow, pick_per_category
 from heads.prompts import PromptSourceError, load_prompts
 from inference.decode import SpeculatorError, check_context
 

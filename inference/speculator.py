@@ -149,8 +149,7 @@ class Speculator:
         record = read_tree_record(saved)
         if record is None:
             return str(saved)  # not a calibration record: its own error message, below
-        why = stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
-                           linear_kernel(self.model))
+        why = self._stale_reason(record)
         if why is None:
             self._use_step_cost(*step_cost_points(record))
             return str(saved)
@@ -187,10 +186,12 @@ class Speculator:
     def _previous_choices(self) -> list[list[int]] | None:
         """The tree an earlier calibration in the heads dir chose on this device (None: none, or not reusable)."""
         record = read_tree_record(self.heads_dir / TREE_FILE) if self.heads_dir is not None else None
-        if record is None or stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
-                                          linear_kernel(self.model)) is not None:
-            return None
-        return record["choices"]
+        return None if record is None or self._stale_reason(record) is not None else record["choices"]
+
+    def _stale_reason(self, record: dict) -> str | None:
+        """Why a tree.json calibration record does not hold for this device, thread count and kernels (None: it does)."""
+        return stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
+                            linear_kernel(self.model))
 
     def _use_step_cost(self, step_ms: dict[int, float] | None, draft_ratio: dict[int, float] | None) -> None:
         """The adaptive policy's step-cost curve from a calibration."""
