@@ -16,31 +16,30 @@ from typing import Any
 
 import torch
 
+from heads.dflash import DFlashConfig, DFlashDraft
 from heads.directory import ADAPTER_DIR, HeadsLoadError, check_target, load_state, read_config, read_method, resolve_heads_dir
 from heads.eagle import EagleConfig, EagleDraft
 from heads.eagle import METHODS as EAGLE_METHODS
 from heads.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_METHODS = ("medusa", "medusa2")
+DFLASH_METHODS = ("dflash",)
+CONFIGS = {**{m: (EagleConfig, EagleDraft, EAGLE_METHODS, "an EAGLE draft") for m in EAGLE_METHODS},
+           **{m: (MedusaConfig, MedusaHeads, MEDUSA_METHODS, "Medusa heads") for m in MEDUSA_METHODS},
+           "dflash": (DFlashConfig, DFlashDraft, DFLASH_METHODS, "a DFlash draft")}
 
 
 def load_heads(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
-               device: str | torch.device = "cpu") -> MedusaHeads | EagleDraft:
-    """Medusa heads or an EAGLE draft from a local directory or Hub id, in eval mode; with `target_info`
+               device: str | torch.device = "cpu") -> MedusaHeads | EagleDraft | DFlashDraft:
+    """Medusa heads, an EAGLE draft or a DFlash draft from a local directory or Hub id, in eval mode; with `target_info`
     (TargetInfo or dict), heads trained for another target are refused."""
     return _load_resolved(resolve_heads_dir(dir_or_id, revision), target_info, device)
 
 
-def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device) -> MedusaHeads | EagleDraft:
+def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device) -> MedusaHeads | EagleDraft | DFlashDraft:
     """load_heads once the directory is local."""
-    method = read_method(heads_dir)
-    if method in EAGLE_METHODS:
-        config, module_class = read_config(heads_dir, EagleConfig, EAGLE_METHODS, "an EAGLE draft"), EagleDraft
-    elif method in MEDUSA_METHODS:
-        config, module_class = read_config(heads_dir, MedusaConfig, MEDUSA_METHODS, "Medusa heads"), MedusaHeads
-    else:
-        raise HeadsLoadError(f"{heads_dir}/config.json has method {method!r}; headstart loads "
-                             f"{', '.join(MEDUSA_METHODS + EAGLE_METHODS)}")
+    config_class, module_class, methods, what = _kind(heads_dir)
+    config = read_config(heads_dir, config_class, methods, what)
     if target_info is not None:
         check_target(config, target_info, where=f"the heads in {heads_dir}")
     try:
@@ -48,6 +47,14 @@ def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device
     except (TypeError, ValueError) as err:
         raise HeadsLoadError(f"{heads_dir}/config.json: {err}") from err
     return load_state(module, heads_dir).to(device).eval()
+
+
+def _kind(heads_dir: Path) -> tuple:
+    """(config class, module class, methods, what it is) for the method heads_dir/config.json records."""
+    method = read_method(heads_dir)
+    if method not in CONFIGS:
+        raise HeadsLoadError(f"{heads_dir}/config.json has method {method!r}; headstart loads {', '.join(CONFIGS)}")
+    return CONFIGS[method]
 
 
 def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision: str | None = None,
@@ -62,11 +69,10 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
     from heads.target import TargetLoadError
 
     heads_dir = resolve_heads_dir(dir_or_id, revision)
-    method = read_method(heads_dir)
     named = target is None
     if named:
-        target = read_config(heads_dir, EagleConfig if method in EAGLE_METHODS else MedusaConfig,
-                             EAGLE_METHODS + MEDUSA_METHODS, "heads").target.get("name")
+        config_class, _, methods, what = _kind(heads_dir)
+        target = read_config(heads_dir, config_class, methods, what).target.get("name")
         if not target:
             raise HeadsLoadError(f"{heads_dir}/config.json names no target: pass one (a model or its path)")
     try:

@@ -1,0 +1,209 @@
+"""DFlash draft (z-lab, Chen et al. 2026): a few decoder layers that draft a whole block in one forward.
+
+The draft reads the target's hidden states at several layers (`feature_layers`, HF `hidden_states` indices: [0] is
+the embedding output, [i + 1] layer i's output), fused per position: ctx = hidden_norm(fc(cat(taps))) [.., h].
+A block is [anchor, mask x (block_size - 1)] at positions p .. p + block_size - 1, where the anchor x_p is the last
+token known to be the target's (at inference the bonus token) and p is the first position whose target features are
+not known yet. In every draft layer the block's queries attend to
+  keys/values of the context: k_norm(k_proj(ctx_s)), v_proj(ctx_s) for every position s < p (the layer's own
+    projections of the same fused context; the context has no residual stream of its own), and
+  keys/values of the whole block (bidirectional inside the block),
+with RoPE at absolute positions. Block slot j (1 .. block_size - 1) then predicts the token at position p + j
+through `norm` and the target's frozen lm_head (no shift: slot j's output scores x_{p+j}); slot 0's is unused.
+The layers are Qwen3 decoder layers (q_norm / k_norm per head) of the target's width; embeddings and lm_head are the
+target's and are not stored.
+
+Tensor names follow vLLM's DFlash loader (model_executor/models/qwen3_dflash.py): `fc`, `hidden_norm`,
+`layers.{i}.self_attn.{q,k,v,o}_proj`, `layers.{i}.self_attn.{q,k}_norm`, `layers.{i}.mlp.{gate,up,down}_proj`,
+`layers.{i}.{input,post_attention}_layernorm`, `norm`. With `draft_vocab_size` > 0 the `token_map` buffer lists the
+target ids headstart's own decode loop scores (the most frequent target-written tokens; training always scores
+the whole vocabulary, as an engine does).
+
+    draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=8, mask_token_id=m))
+    ctx = draft.fuse(taps)                                         # [B, S, n*h] -> [B, S, h]
+    out = draft(block_embeds, positions, ctx, ctx_positions, mask)  # [B, Q, h]
+    logits = draft.logits(out, lm_head_weight)                     # [B, Q, V]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+from heads.directory import HeadsModule
+
+DEFAULT_TAPS = 5  # target layers read by default (z-lab's released drafts read five)
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    vocab_size: int
+    method: str = "dflash"
+    num_layers: int = 2  # draft decoder layers
+    block_size: int = 8  # anchor + block_size - 1 drafted tokens per forward
+    mask_token_id: int = 0  # the target token id fed at the block's drafted slots
+    feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
+    layer_config: dict = field(default_factory=dict)  # Qwen3Config fields of the draft layers (the target's width)
+    draft_vocab_size: int = 0  # > 0: headstart's decode loop scores only these target ids (`token_map`)
+    target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
+
+    def __post_init__(self):
+        if self.method != "dflash":
+            raise ValueError(f"a DFlash config has method 'dflash', got {self.method!r}")
+        if self.num_layers < 1 or self.block_size < 2:
+            raise ValueError(f"num_layers must be >= 1 and block_size >= 2, got {self.num_layers}, {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} must be a target token id in 0..{self.vocab_size - 1}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size {self.vocab_size}]")
+        if not self.feature_layers:
+            raise ValueError("feature_layers is empty: the draft needs at least one target layer to read")
+
+
+def default_feature_layers(num_hidden_layers: int, taps: int = DEFAULT_TAPS) -> list[int]:
+    """z-lab's rule: layers 1 .. L-3 evenly spaced (layer outputs), as HF hidden_states indices (+1)."""
+    n, L = min(taps, num_hidden_layers), num_hidden_layers
+    if n == 1:
+        return [L // 2 + 1]
+    return sorted({int(round(1 + i * (L - 4) / (n - 1))) + 1 for i in range(n)})
+
+
+def dflash_config_for(model, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
+                      feature_layers: list[int] | None = None, draft_vocab_size: int = 0,
+                      target_info: Any = None) -> DFlashConfig:
+    """A DFlashConfig whose layers have the target's width (hidden, heads, MLP, RoPE, norm eps)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    rope = getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(text, "rope_theta", 10000.0)}
+    layer_config = {
+        "hidden_size": text.hidden_size, "intermediate_size": text.intermediate_size,
+        "num_attention_heads": text.num_attention_heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+        "head_dim": head_dim, "rms_norm_eps": text.rms_norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": text.max_position_embeddings, "rope_parameters": dict(rope),
+        "num_hidden_layers": num_layers, "vocab_size": text.vocab_size, "attention_bias": False,
+    }
+    return DFlashConfig(
+        hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_layers=num_layers, block_size=block_size,
+        mask_token_id=mask_token_id,
+        feature_layers=list(feature_layers) if feature_layers else default_feature_layers(text.num_hidden_layers),
+        layer_config=layer_config, draft_vocab_size=draft_vocab_size,
+        target=target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info or {}),
+    )
+
+
+class DFlashAttention(nn.Module):
+    """Block queries over [context keys ; block keys], no causal mask inside the block."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, S, h] (fused context, or the normed block) -> keys, values [B, kv_heads, S, d], keys rotated."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+        return k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor],
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """x [B, Q, h] (normed block), cos/sin [B, Q, d], context_kv ([B, kvh, S, d] x 2), mask bool [B, 1, Q, S + Q]
+        (True = attend; None: everything) -> [B, Q, h]."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2)
+        q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+        k, v = self.keys_values(x, cos, sin)
+        k = torch.cat([context_kv[0], k], dim=2)
+        v = torch.cat([context_kv[1], v], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.heads * self.head_dim))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, context_kv, mask) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_kv, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(HeadsModule):
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        layer_config = Qwen3Config(**config.layer_config)
+        h, n = config.hidden_size, len(config.feature_layers)
+        self.fc = nn.Linear(n * h, h, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
+        self.norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
+        if config.draft_vocab_size:
+            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # draft id -> target id
+        else:
+            self.token_map = None
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's tapped hidden states [..., n*h] (feature_layers order) -> context features [..., h]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] -> cos, sin [B, S, d] in x's dtype."""
+        return self.rotary_emb(x, position_ids=positions)
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the keys and values of context features ctx [B, S, h] at positions [B, S]."""
+        cos, sin = self.rope(ctx, positions)
+        return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> torch.Tensor:
+        """block_embeds [B, Q, h] (target embeddings of the blocks' tokens), positions [B, Q], context_kv (context_kv()
+        or a decode-time cache), mask bool [B, 1, Q, S + Q] (True = attend; None: all) -> [B, Q, h], before `norm`."""
+        cos, sin = self.rope(block_embeds, positions)
+        x = block_embeds
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, cos, sin, kv, mask)
+        return x
+
+    def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """out [..., h] -> logits [..., V] through `norm` and the target's lm_head weight [V, h] (or the rows of it the
+        decode loop scores, [Vd, h])."""
+        return self.norm(out) @ lm_head_weight.t()
+
+    def draft_lm_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head [V, h] -> the rows headstart's decode loop scores: [Vd, h] (or all of them)."""
+        return lm_head_weight if self.token_map is None else lm_head_weight[self.token_map]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Indices into draft_lm_head_weight's rows -> target token ids."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    @torch.no_grad()
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
+        """Score only these target ids (draft_vocab_size distinct ones) in the decode loop, in increasing order."""
+        ids = torch.unique(target_ids.long())
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
+        self.token_map.copy_(ids)

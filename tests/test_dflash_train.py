@@ -1,0 +1,189 @@
+"""train/dflash.py and heads/dflash.py on tiny random targets (4 layers): the training blocks against the
+inference-time cache, anchors, learning, the heads directory, exact resume, 2-process equivalence."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads.dflash import DFlashDraft, default_feature_layers, dflash_config_for
+from heads.load import load_heads
+from heads.target import load_target
+from conftest import tiny_model
+from test_eagle_train import make_target_dir, train_log, weights, write_greedy_selfdistilled
+from train.config import ConfigError, parse_config
+from train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token, main,
+                          pick_anchors, valid_anchors)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_target_dir(tmp_path_factory.mktemp("llama4"), "llama")
+
+
+@pytest.fixture(scope="module")
+def sd_dir(llama_dir, tmp_path_factory):
+    return write_greedy_selfdistilled(tmp_path_factory.mktemp("sd"), llama_dir)
+
+
+def args(target_dir, data_dir, out, *extra) -> list[str]:
+    return ["--target", str(target_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
+            "--per_device_batch_size", "2", "--eval_rows", "4", "--learning_rate", "3e-3", "--seed", "0",
+            "--feature_layers", "1", "2", "3", "--block_size", "4", "--anchors_per_row", "4",
+            "--draft_vocab_size", "64"] + [str(e) for e in extra]
+
+
+def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    draft = DFlashDraft(dflash_config_for(model, num_layers, block_size, mask_token_id=5, feature_layers=[1, 2, 3]))
+    with torch.no_grad():  # norms away from 1, so a wrong norm shows
+        for name, p in draft.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return draft.eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_default_feature_layers_follow_z_lab():
+    assert default_feature_layers(36) == [2, 10, 18, 26, 34]  # z-lab's Qwen3-8B layers 1, 9, 17, 25, 33, as HF indices
+    assert default_feature_layers(30) == [2, 9, 15, 21, 28]
+    assert default_feature_layers(4) == [2]  # a 4-layer target: layers 1 .. L-3 is layer 1 alone
+
+
+def test_anchors_need_two_target_tokens_and_repeat_per_row():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 0])
+    valid = valid_anchors(mask, 8)  # positions 2, 3 (then 4 -> 5 is a user token), 6 (7 is the last kept)
+    assert valid.tolist() == [2, 3, 6]
+    many = torch.arange(100)
+    a = pick_anchors(many, 5, seed=0, step=3, row=7)
+    assert torch.equal(a, pick_anchors(many, 5, seed=0, step=3, row=7))  # the same in any batch layout
+    assert not torch.equal(a, pick_anchors(many, 5, seed=0, step=4, row=7))
+    assert a.tolist() == sorted(set(a.tolist())) and len(a) == 5
+    assert pick_anchors(many, 5, 0, None, 0).tolist() == [0, 25, 50, 74, 99]  # evaluation: evenly spaced
+
+
+def test_block_mask_sees_only_the_past_and_its_own_block():
+    cfg = DFlashTrainConfig(block_size=3)
+    batch = {"input_ids": torch.arange(10)[None] + 20, "attention_mask": torch.ones(1, 10, dtype=torch.long),
+             "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0]]), "rows": torch.tensor([0])}
+    blocks = block_inputs(batch, cfg, mask_token_id=9, step=None, anchors=2)
+    assert blocks["tokens"].tolist() == [[23, 9, 9, 27, 9, 9]]  # anchors 3 and 7 (evenly spaced of 3..7)
+    assert blocks["positions"].tolist() == [[3, 4, 5, 7, 8, 9]]
+    assert blocks["labels"].tolist() == [[[24, 25], [28, 29]]]
+    assert blocks["supervised"].tolist() == [[[True, True], [True, False]]]  # x_9 is a user token
+    mask = blocks["mask"][0, 0]
+    assert mask[0, :10].tolist() == [True] * 3 + [False] * 7  # strictly before the anchor
+    assert mask[4, :10].tolist() == [True] * 7 + [False] * 3
+    assert mask[:, 10:].int().tolist() == [[1, 1, 1, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
+    """Two blocks drawn in one training forward give what inference computes for each: the context's keys and values
+    appended in pieces (as the decode loop commits accepted tokens), then the block alone, no mask."""
+    model = tiny_model(model_type, num_hidden_layers=4)
+    draft = random_draft(model, block_size=4)
+    T = 12
+    taps = torch.randn(1, T, 3 * 64)
+    anchors = [5, 9]
+    tokens = torch.tensor([[30, 5, 5, 5, 40, 5, 5, 5]])
+    positions = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    embeds = model.get_input_embeddings()(tokens)
+    mask = torch.zeros(1, 1, 8, T + 8, dtype=torch.bool)
+    for k, p in enumerate(anchors):
+        mask[0, 0, 4 * k : 4 * k + 4, :p] = True
+        mask[0, 0, 4 * k : 4 * k + 4, T + 4 * k : T + 4 * k + 4] = True
+    with torch.no_grad():
+        trained = BlockDraft(draft)(taps, embeds, positions, mask)[0]  # [8, h]
+        for k, p in enumerate(anchors):
+            ctx = draft.fuse(taps[:, :p])
+            pieces = [(0, 2), (2, p)]  # committed in two steps
+            cache = [None] * len(draft.layers)
+            for a, b in pieces:
+                kv = draft.context_kv(ctx[:, a:b], torch.arange(a, b)[None])
+                cache = [new if old is None else (torch.cat([old[0], new[0]], 2), torch.cat([old[1], new[1]], 2))
+                         for old, new in zip(cache, kv)]
+            alone = draft(embeds[:, 4 * k : 4 * k + 4], positions[:, 4 * k : 4 * k + 4], cache)[0]
+            torch.testing.assert_close(trained[4 * k : 4 * k + 4], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_token_is_the_lowest_unused_id():
+    rows = [{"input_ids": [0, 1, 2, 4]}, {"input_ids": [5, 1]}]
+    assert choose_mask_token(rows, 8) == 3
+    with pytest.raises(ConfigError, match="mask_token_id"):
+        choose_mask_token([{"input_ids": list(range(4))}], 4)
+
+
+# ----------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, one_thread):
+    """12 rows, held-out rows = copies of 4 of them: the draft fits its rows, the heads dir round-trips strictly."""
+    metrics = main(args(llama_dir, sd_dir, tmp_path, "--num_epochs", "12", "--soft_labels", "false",
+                        "--init_layers_from_target", "false"))
+    log = train_log(tmp_path)
+    first, last = log[:6], log[-6:]  # one epoch each: the same rows
+    mean = lambda recs, key: sum(r[key] if key == "loss" else r[key][0] for r in recs) / len(recs)  # noqa: E731
+    assert mean(last, "loss") < 0.25 * mean(first, "loss")
+    assert mean(first, "acc") < 0.2 and mean(last, "acc") > 0.4
+    assert len(metrics["top1"]) == 3 and metrics["top1"][0] > 0.5
+    for j in range(3):
+        assert abs(sum(metrics["rank_accuracy"][j][:5]) - metrics["top5"][j]) < 1e-3
+    assert 0 < metrics["chain_accepted_tokens"] <= 3
+    heads_dir = tmp_path / "heads"
+    assert {"config.json", "model.safetensors", "README.md", "metrics.json"} <= {p.name for p in heads_dir.iterdir()}
+    _, _, info = load_target(str(llama_dir))
+    draft = load_heads(heads_dir, info)
+    assert isinstance(draft, DFlashDraft) and draft.config.block_size == 4 and draft.config.draft_vocab_size == 64
+    assert draft.config.feature_layers == [1, 2, 3] and draft.token_map.numel() == 64
+    assert info.fingerprint in (heads_dir / "README.md").read_text()
+
+
+def test_resume_is_exact(llama_dir, sd_dir, tmp_path, one_thread):
+    common = ["--max_steps", "6", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2"]
+    main(args(llama_dir, sd_dir, tmp_path / "full", *common))
+    main(args(llama_dir, sd_dir, tmp_path / "cut", *common, "--stop_after_steps", "3"))
+    main(args(llama_dir, sd_dir, tmp_path / "cut", *common, "--resume", "true"))
+    full, resumed = weights(tmp_path / "full"), weights(tmp_path / "cut")
+    for name in full:
+        assert torch.equal(full[name], resumed[name]), name
+    assert [r["loss"] for r in train_log(tmp_path / "full")] == [r["loss"] for r in train_log(tmp_path / "cut")]
+
+
+def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
+    """2 gloo processes x batch 1 == 1 process x batch 2: the same losses and weights."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    common = ["--max_steps", "3"]
+    one = launch.start([sys.executable, str(REPO / "train" / "dflash.py"), *args(llama_dir, sd_dir, tmp_path / "one", *common)],
+                       env, tmp_path)
+    launch.wait(one)
+    two_args = args(llama_dir, sd_dir, tmp_path / "two", *common)
+    two_args[two_args.index("--per_device_batch_size") + 1] = "1"
+    two = launch.start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        str(REPO / "train" / "dflash.py"), *two_args], env, tmp_path)
+    launch.wait(two)
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "two")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    losses = lambda out: [r["loss"] for r in train_log(out)]  # noqa: E731
+    assert losses(tmp_path / "one") == pytest.approx(losses(tmp_path / "two"), rel=1e-5)
+
+
+def test_recipe_parses_and_bad_configs_fail():
+    cfg = check_config(parse_config(DFlashTrainConfig, ["--config", str(REPO / "recipes" / "smollm2-135m" / "dflash.yaml")]))
+    assert cfg.method == "dflash" and cfg.block_size >= 2
+    with pytest.raises(ConfigError, match="block_size"):
+        check_config(DFlashTrainConfig(block_size=1))
+    with pytest.raises(ConfigError, match="method"):
+        check_config(DFlashTrainConfig(method="eagle3"))

@@ -1,0 +1,357 @@
+"""Train a DFlash draft (block-parallel drafting) on the target's own generations (the target stays frozen).
+
+CPU (2 cores, the embedded SmolLM2-135M; self-distils the recipe's prompts first if data_dir is empty):
+    python train/dflash.py --config recipes/smollm2-135m/dflash.yaml --output_dir runs/dflash-smollm2
+Single GPU:
+    accelerate launch --num_processes 1 train/dflash.py --config recipes/smollm2-135m/dflash.yaml \
+        --output_dir runs/dflash-smollm2
+Multi-GPU (DDP):
+    accelerate launch --config_file recipes/accelerate/multi-gpu.yaml train/dflash.py \
+        --config recipes/smollm2-135m/dflash.yaml --output_dir runs/dflash-smollm2
+Preempted? Run the same command with --resume: it continues from the newest checkpoint in DIR/checkpoints.
+The run itself (data, schedule, resume, logging, checkpoints, heads directory) is train/loop.py's.
+
+What one optimizer step sees (heads/dflash.py has the draft): per row, `anchors_per_row` anchor positions p are drawn
+(seeded per seed, step and row: the same in any batch layout, process count or resume point) among the positions
+whose token and next token the target wrote. Each anchor's block [x_p, mask x (block_size - 1)] sits at positions
+p .. p + block_size - 1 and sees the fused target features of positions < p (strictly: the anchor's own features
+are not known at inference) and its own block; all of a row's blocks run in one draft forward. Slot j predicts
+x_{p+j}, supervised where the target wrote it, weighted exp(-(j - 1) / loss_decay): soft cross-entropy against the
+target's distribution there (its logits at p + j - 1; `soft_labels`) or cross-entropy on the data token. The loss
+is a weighted mean over the whole global batch, so N processes x batch b give 1 process x batch N*b.
+
+Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json), DIR/checkpoints, DIR/train_log.jsonl.
+metrics.json (held-out rows = the last `eval_rows` rows; up to `eval_anchors` evenly spaced anchors per row): per
+block slot j = 1..block_size-1, `top1`, `top5`, `rank_accuracy` [j][10] (P(the data token is exactly the draft's
+rank-r guess), for sizing trees), `eval_positions`; `chain_accepted_tokens` (mean drafted tokens a greedy chain of
+the whole block gets accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+
+from heads.dflash import DFlashDraft, dflash_config_for
+from heads.eagle import most_frequent_tokens
+from train.cli import run_main
+from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
+from train.data import collate, supervised_token_counts
+from train.features import FeatureSource, open_feature_source
+from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+
+
+@dataclass
+class DFlashTrainConfig(TrainRunConfig):
+    output_dir: str = "runs/dflash"
+    method: str = "dflash"
+    learning_rate: float = 6e-4
+    warmup_ratio: float = 0.04
+    # draft
+    num_layers: int = 2  # draft decoder layers
+    block_size: int = 8  # anchor + block_size - 1 drafted tokens
+    feature_layers: Optional[list[int]] = None  # HF hidden_states indices; None: five evenly spaced (heads/dflash.py)
+    mask_token_id: int = -1  # -1: the lowest target token id that no training row contains
+    draft_vocab_size: int = 8192  # rows of the target's lm_head headstart's decode loop scores (0: all)
+    init_layers_from_target: bool = True  # start the draft layers from the target's last layers (shapes match)
+    # training signal
+    anchors_per_row: int = 16  # blocks drawn per row per step
+    loss_decay: float = 4.0  # slot j's weight is exp(-(j - 1) / loss_decay)
+    soft_labels: bool = True  # cross-entropy against the target's distribution (else its token)
+    eval_anchors: int = 64  # held-out anchors per row, evenly spaced over the valid ones
+
+
+def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
+    check_run_config(cfg, ("dflash",))
+    if cfg.num_layers < 1 or cfg.block_size < 2:
+        raise ConfigError(f"num_layers must be >= 1 and block_size >= 2, got {cfg.num_layers}, {cfg.block_size}")
+    if cfg.anchors_per_row < 1 or cfg.eval_anchors < 1 or cfg.loss_decay <= 0:
+        raise ConfigError("anchors_per_row and eval_anchors must be >= 1, loss_decay > 0")
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------------
+# blocks
+
+
+def valid_anchors(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
+    """Anchor positions p of one row (loss_mask [T]): the target wrote x_p and x_{p+1}. -> [n] increasing."""
+    mask = loss_mask[: length].bool()
+    ok = mask[:-1] & mask[1:]
+    return torch.nonzero(ok).squeeze(-1)
+
+
+def pick_anchors(valid: torch.Tensor, count: int, seed: int, step: int | None, row: int) -> torch.Tensor:
+    """`count` anchors of `valid` (fewer if there are fewer): drawn per (seed, step, row) in training, evenly spaced
+    for evaluation (step None). -> [k] increasing."""
+    n = valid.numel()
+    if n <= count:
+        return valid
+    if step is None:
+        return valid[torch.linspace(0, n - 1, count).round().long()]
+    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + row)
+    return valid[torch.randperm(n, generator=g)[:count].sort().values]
+
+
+def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: int | None, anchors: int) -> dict:
+    """The blocks of a collated batch (with `rows`). K = `anchors` blocks per row (padding blocks have no
+    supervised slot), Bk = block_size, Q = K * Bk:
+
+    tokens [B, Q] (anchor then mask tokens per block), positions [B, Q], mask bool [B, 1, Q, T + Q] (a block sees the
+    positions < its anchor of its own row and its whole block), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
+    supervised [B, K, Bk - 1] (the target wrote x_{p+j}), label_pos [B, K, Bk - 1] (p + j, clamped into the row).
+    """
+    ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()
+    B, T = ids.shape
+    Bk, K = cfg.block_size, anchors
+    device = ids.device
+    anchor_pos = torch.zeros(B, K, dtype=torch.long)
+    real = torch.zeros(B, K, dtype=torch.bool)
+    for b, r in enumerate(batch["rows"].tolist()):
+        chosen = pick_anchors(valid_anchors(loss_mask[b].cpu(), lengths[b]), K, cfg.seed, step, r)
+        anchor_pos[b, : chosen.numel()] = chosen
+        real[b, : chosen.numel()] = True
+    anchor_pos, real = anchor_pos.to(device), real.to(device)
+    offsets = torch.arange(Bk, device=device)
+    positions = anchor_pos[:, :, None] + offsets  # [B, K, Bk]
+    tokens = torch.full((B, K, Bk), mask_token_id, dtype=torch.long, device=device)
+    tokens[:, :, 0] = ids.gather(1, anchor_pos)
+    label_pos = positions[:, :, 1:].clamp(max=T - 1)  # [B, K, Bk-1]
+    inside = positions[:, :, 1:] < torch.tensor(lengths, device=device)[:, None, None]
+    labels = torch.where(inside, ids.gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1), 0)
+    supervised = inside & loss_mask.bool().gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1) & real[:, :, None]
+    # attention: context s < p (and inside the row), the own block
+    ctx_ok = torch.arange(T, device=device)[None, None, :] < anchor_pos[:, :, None]  # [B, K, T]
+    block_id = torch.arange(K * Bk, device=device) // Bk
+    own = block_id[:, None] == block_id[None, :]  # [Q, Q]
+    mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1), own[None].expand(B, -1, -1)], dim=-1)  # [B, Q, T + Q]
+    return {"tokens": tokens.view(B, K * Bk), "positions": positions.view(B, K * Bk), "mask": mask[:, None],
+            "labels": labels, "supervised": supervised, "label_pos": label_pos}
+
+
+class BlockDraft(nn.Module):
+    """The draft over many blocks per row in one forward (what accelerate wraps for training)."""
+
+    def __init__(self, draft: DFlashDraft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, taps: torch.Tensor, block_embeds: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """taps [B, T, n*h], block_embeds [B, Q, h], positions [B, Q], mask [B, 1, Q, T + Q] -> [B, Q, h]."""
+        B, T, _ = taps.shape
+        ctx = self.draft.fuse(taps)
+        ctx_positions = torch.arange(T, device=taps.device).expand(B, T)
+        return self.draft(block_embeds, positions, self.draft.context_kv(ctx, ctx_positions), mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# targets and loss
+
+
+@torch.no_grad()
+def prepare_batch(batch: dict, source: FeatureSource, target, cfg: DFlashTrainConfig, mask_token_id: int,
+                  step: int | None, anchors: int) -> dict:
+    """Target-side tensors of one micro-batch (no gradient): the blocks, the slots' weights [B, K, Bk-1] (decay x
+    supervised), and at the N supervised slots the labels [N] and, with soft labels, the target's probs [N, V]."""
+    taps, final = source.batch(batch)
+    blocks = block_inputs(batch, cfg, mask_token_id, step, anchors)
+    Bk = cfg.block_size
+    decay = torch.exp(-torch.arange(Bk - 1, device=taps.device, dtype=torch.float32) / cfg.loss_decay)
+    weights = blocks["supervised"].float() * decay
+    sel = blocks["supervised"]
+    B = taps.shape[0]
+    rows = torch.arange(B, device=taps.device)[:, None, None].expand_as(sel)[sel]
+    before = (blocks["label_pos"] - 1)[sel]  # the target's distribution for x_{p+j} comes from its logits at p+j-1
+    probs = None
+    if cfg.soft_labels:
+        lm_head_weight = target.get_output_embeddings().weight
+        states = final[rows, before]  # [N, h]
+        probs = torch.cat([torch.softmax((part @ lm_head_weight.t()).float(), -1) for part in states.split(2048)]) \
+            if states.shape[0] else states.new_zeros(0, lm_head_weight.shape[0]).float()
+    return {"taps": taps, "embeds": target.get_input_embeddings()(blocks["tokens"]), **blocks,
+            "weights": weights, "target_labels": blocks["labels"][sel], "probs": probs}
+
+
+def slot_logits(model, prep: dict, lm_head_weight: torch.Tensor, draft: DFlashDraft) -> torch.Tensor:
+    """The draft's logits [N, V] at the supervised slots."""
+    out = model(prep["taps"], prep["embeds"], prep["positions"], prep["mask"])  # [B, Q, h]
+    B, K, S = prep["supervised"].shape
+    slots = out.view(B, K, S + 1, -1)[:, :, 1:]  # slot 0 (the anchor) predicts nothing
+    return draft.logits(slots[prep["supervised"]], lm_head_weight)
+
+
+def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool) -> tuple[torch.Tensor, dict]:
+    """sum over supervised slots of weight * CE / denom (the global weight sum). -> (loss, sums: ce, weight, hits [Bk-1])."""
+    w = prep["weights"][prep["supervised"]]  # [N]
+    logp = F.log_softmax(logits.float(), -1)
+    if soft:
+        ce = -(prep["probs"] * logp).sum(-1)
+    else:
+        ce = -logp.gather(-1, prep["target_labels"][:, None]).squeeze(-1)
+    loss = (w * ce).sum() / denom.clamp(min=1e-9)
+    with torch.no_grad():
+        slot = torch.nonzero(prep["supervised"])[:, 2]  # [N] slot index j - 1
+        S = prep["supervised"].shape[-1]
+        hits = torch.bincount(slot, weights=(logits.argmax(-1) == prep["target_labels"]).float(), minlength=S)
+        counts = torch.bincount(slot, minlength=S).float()
+    return loss, {"ce": (w * ce).sum().detach(), "hits": hits, "slots": counts}
+
+
+# ----------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], cfg: DFlashTrainConfig,
+             accelerator: Accelerator, pad_id: int, mask_token_id: int) -> dict:
+    """Per-slot rank histogram of the data token on held-out rows, and the greedy chain's accepted tokens."""
+    draft, S, R = model.draft, cfg.block_size - 1, 10
+    dev = accelerator.device
+    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10
+    chain = torch.zeros(2, device=dev)  # accepted drafted tokens, blocks
+    lm_head_weight = target.get_output_embeddings().weight
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    for r in mine:  # one row at a time: [K * (Bk-1), V] logits
+        batch = {k: v.to(dev) for k, v in collate([source.rows[r]], pad_id).items()}
+        batch["rows"] = torch.tensor([r])
+        prep = prepare_batch(batch, source, target, cfg, mask_token_id, None, cfg.eval_anchors)
+        out = model(prep["taps"], prep["embeds"], prep["positions"], prep["mask"])[0]  # [Q, h]
+        K = prep["supervised"].shape[1]
+        logits = draft.logits(out.view(K, S + 1, -1)[:, 1:], lm_head_weight).float()  # [K, S, V]
+        truth = logits.gather(-1, prep["labels"][0][..., None])  # [K, S, 1]
+        rank = (logits > truth).sum(-1).clamp(max=R)  # [K, S]
+        sup = prep["supervised"][0]
+        for j in range(S):
+            rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()
+        real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
+        accepted = ((rank == 0) & sup).long().cumprod(1).sum(1)  # [K]
+        chain[0] += accepted[real].sum()
+        chain[1] += real.sum()
+    rank_counts = accelerator.reduce(rank_counts, "sum")
+    chain = accelerator.reduce(chain, "sum")
+    return {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# the draft and its output
+
+
+def choose_mask_token(rows: list[dict], vocab_size: int) -> int:
+    """The lowest target id that no training row contains (a token the draft never sees as text)."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for row in rows:
+        seen[torch.as_tensor(row["input_ids"])] = True
+    unseen = torch.nonzero(~seen).squeeze(-1)
+    if unseen.numel() == 0:
+        raise ConfigError("every target token id occurs in the training rows: set mask_token_id to a special token")
+    return int(unseen[0])
+
+
+@torch.no_grad()
+def init_from_target(draft: DFlashDraft, target, layers: bool) -> list[str]:
+    """norm <- the target's final norm (the draft's output goes through the target's lm_head); with `layers`, draft
+    layer i <- the target's layer L - num_layers + i wherever names and shapes match. Returns the names set."""
+    draft.norm.weight.copy_(target.get_decoder().norm.weight)
+    done = ["norm"]
+    if layers:
+        source_layers = target.get_decoder().layers
+        first = len(source_layers) - len(draft.layers)
+        for i, layer in enumerate(draft.layers):
+            source = dict(source_layers[first + i].named_parameters())
+            for name, param in layer.named_parameters():
+                if name in source and source[name].shape == param.shape:
+                    param.copy_(source[name])
+                    done.append(f"layers.{i}.{name}")
+    return done
+
+
+def build_draft(run: Run, cfg: DFlashTrainConfig) -> DFlashDraft:
+    target, info = run.target, run.info
+    mask_token_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else choose_mask_token(run.train_rows, info.vocab_size)
+    vocab = min(cfg.draft_vocab_size, info.vocab_size)
+    try:
+        config = dflash_config_for(target, cfg.num_layers, cfg.block_size, mask_token_id, cfg.feature_layers, vocab, info)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    L = info.num_hidden_layers
+    if not all(0 <= i <= L for i in config.feature_layers):
+        raise ConfigError(f"feature_layers {config.feature_layers} must be hidden_states indices in 0..{L}")
+    draft = DFlashDraft(config)
+    if vocab:
+        draft.set_draft_vocab(most_frequent_tokens(supervised_token_counts(run.train_rows, info.vocab_size), vocab))
+    initialised = init_from_target(draft, target, cfg.init_layers_from_target)
+    run.accelerator.print(f"DFlash draft: {cfg.num_layers} layers, block {cfg.block_size}, mask token {mask_token_id}, "
+                          f"target layers {config.feature_layers}; initialised from the target: {len(initialised)} tensors")
+    return draft.to(run.accelerator.device)
+
+
+def model_card(cfg: DFlashTrainConfig, info, stats: dict, metrics: dict) -> str:
+    return f"""---
+library_name: headstart
+tags: [dflash, speculative-decoding]
+---
+# DFlash draft for `{info.name}`
+
+- Method: DFlash: {cfg.num_layers} decoder layers read the target's layers {metrics['feature_layers']} (fused) and
+  draft a block of {cfg.block_size - 1} tokens in one forward (mask token {metrics['mask_token_id']})
+{card_facts(cfg, info, stats, metrics)}
+
+Held-out accuracy at block slot j (the token j positions after the anchor):
+
+{accuracy_table("slot", metrics)}
+
+Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: {metrics['chain_accepted_tokens']:.3f}
+
+```python
+from heads.load import load_heads
+draft = load_heads("THIS_DIR_OR_REPO", target_info)
+```
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = check_config(parse_config(DFlashTrainConfig, argv))
+    run = start_run(cfg)
+    accelerator, target = run.accelerator, run.target
+    draft = build_draft(run, cfg)
+    mask_token_id = draft.config.mask_token_id
+    all_rows = run.train_rows + run.eval_rows
+    source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
+    if cfg.build_cache_only:
+        end_run(accelerator)
+        return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
+    lm_head_weight = target.get_output_embeddings().weight  # frozen: the draft scores through it
+
+    def step_fn(model, micro: list[dict], step: int) -> dict:
+        unwrapped = accelerator.unwrap_model(model).draft
+        preps = [prepare_batch(b, source, target, cfg, mask_token_id, step, cfg.anchors_per_row) for b in micro]
+        denom = accelerator.reduce(torch.stack([p["weights"].sum() for p in preps]).sum(), "sum")
+
+        def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
+            return block_loss(slot_logits(model, prep, lm_head_weight, unwrapped), prep, denom, cfg.soft_labels)
+
+        sums = accumulate(accelerator, model, preps, micro_loss)
+        sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
+        acc = sums["hits"] / sums["slots"].clamp(min=1)
+        return {"loss": float(sums["ce"] / denom.clamp(min=1e-9)), "acc": [round(float(a), 4) for a in acc]}
+
+    trained = train(run, BlockDraft(draft), [{"params": list(draft.parameters())}], step_fn)
+    if not trained.finished:
+        return {"step": trained.step}
+    model = accelerator.unwrap_model(trained.model).eval()
+    n_train = len(run.train_rows)
+    metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
+                       mask_token_id)
+    metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": mask_token_id,
+                    "block_size": cfg.block_size, "feature_source": source.mode})
+    return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "slot")
+
+
+if __name__ == "__main__":
+    run_main(main)
