@@ -39,11 +39,18 @@ PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
 # nodes 4 deep took 17.9 ms of an 81 ms step; Medusa heads 1.3 ms with an 8192-token draft vocabulary and 5.4 ms
 # with all 49152 tokens, of a 36 ms step (medusa_draft_prior).
 PRIOR_EAGLE_DRAFT_RATIO = {2: 0.06, 4: 0.12, 8: 0.22, 16: 0.3}
+# One DFlash draft layer over an 8-token block, in one-token steps of the same target (docs/measured.md).
+DFLASH_LAYER_RATIO = 0.05
 
 
 def medusa_draft_prior(draft_vocab_fraction: float) -> dict[int, float]:
     """Prior Medusa draft cost in one-token steps: the heads' blocks plus their share of the lm_head's rows."""
     return {0: 0.012 + 0.14 * draft_vocab_fraction}
+
+
+def dflash_draft_prior(num_layers: int, draft_vocab_fraction: float) -> dict[int, float]:
+    """Prior DFlash draft cost in one-token steps: its layers over the block and the lm_head's rows it scores."""
+    return {0: DFLASH_LAYER_RATIO * num_layers + 0.14 * draft_vocab_fraction}
 # Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
 LOOKUP_PRIOR_FIRST = {1: 0.3, 2: 0.5, 3: 0.6}
 LOOKUP_PRIOR_NEXT = 0.7

@@ -191,6 +191,9 @@ def heads_method(entry: HeadsEntry, spec: Speculator, stops: Sequence[int], devi
         return Method(name=name, kind=spec.heads.config.method, run=run, trace=trace, info=info)
     tree = spec.tree
     choices = tree_choices(tree)
-    info.update({"num_heads": spec.heads.config.num_heads,
-                 "tree": {"size": tree.size, "depth": tree.max_depth, "choices": choices}})
+    info["tree"] = {"size": tree.size, "depth": tree.max_depth, "choices": choices}
+    if spec.is_dflash:
+        info.update({"method": "dflash", "block_size": spec.heads.config.block_size})
+        return Method(name=name, kind="dflash", run=run, trace=trace, info=info)
+    info["num_heads"] = spec.heads.config.num_heads
     return Method(name=name, kind="medusa", run=run, trace=trace, info=info)

@@ -32,6 +32,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.cpu_linear import linear_kernel
+from inference.dflash import DFlashProposer
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
@@ -327,6 +328,23 @@ def eagle_draft_timer(draft: torch.nn.Module, model: PreTrainedModel,
 
     def draft_for(choices: list[list[int]]) -> Callable[[], None]:
         proposer = EagleProposer(draft, model, dynamic_config_from_choices(choices))
+        proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context, features=taps))  # commit
+        return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
+
+    return draft_for
+
+
+def dflash_draft_timer(draft: torch.nn.Module, model: PreTrainedModel, prefix_len: int,
+                       project: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[list[int]]], Callable[[], None]]:
+    """draft_for(choices) -> a callable drafting one block (the tree's depth scored) after a prefix_len context."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    context = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    _, hidden, taps = target_forward(model, torch.tensor([context[:-1]], device=device), DynamicCache(),
+                                     feature_layers=draft.config.feature_layers)
+
+    def draft_for(choices: list[list[int]]) -> Callable[[], None]:
+        proposer = DFlashProposer(draft, model, tree_from_choices(choices), project)
         proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context, features=taps))  # commit
         return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
 

@@ -147,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpeculatorError, PromptSourceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if spec.is_eagle:
-        print("error: replay needs Medusa heads (an EAGLE draft's tree depends on its own state): use "
-              "python -m inference.bench for EAGLE drafts", file=sys.stderr)
+    if spec.is_eagle or spec.is_dflash:
+        print(f"error: replay needs Medusa heads (these are {spec.heads.config.method}): use "
+              "python -m inference.bench for EAGLE and DFlash drafts", file=sys.stderr)
         return 2
     results = modeled(spec, references(spec, pick_per_category(rows, args.per_category), args.max_new_tokens))
     keys = list(next(iter(results.values())))

@@ -1,4 +1,4 @@
-"""`Speculator`: draft heads (Medusa or EAGLE-1/3) + their target + a tree, behind one `generate` call.
+"""`Speculator`: draft heads (Medusa, EAGLE-1/3 or DFlash) + their target + a tree, behind one `generate` call.
 
     spec = Speculator.from_pretrained("path/to/heads")           # loads the target named by the heads
     out = spec.generate(input_ids, max_new_tokens=128)            # greedy: identical to model.generate
@@ -19,12 +19,13 @@ from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
-                                 eagle_draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
+                                 dflash_draft_timer, eagle_draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
 from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
-                             medusa_draft_prior)
+                             dflash_draft_prior, medusa_draft_prior)
 from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
+from inference.dflash import DFlashProposer
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
 from inference.medusa import MedusaProposer
@@ -34,10 +35,11 @@ DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as ma
 
 
 class Speculator:
-    """Draft heads (Medusa or EAGLE-1/3) + their target + a tree. `generate` is lossless unless acceptance='typical'.
+    """Draft heads (Medusa, EAGLE-1/3 or DFlash) + their target + a tree. `generate` is lossless unless
+    acceptance='typical'.
 
-    Medusa heads draft a static tree (`self.tree`); an EAGLE draft grows a dynamic tree of `self.dynamic`'s
-    size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
+    Medusa heads and a DFlash draft fill a static tree (`self.tree`) from per-depth top-k tokens; an EAGLE draft
+    grows a dynamic tree of `self.dynamic`'s size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
     greedy decoding / distribution (a target you pass in is copied first). In float32 on a CPU the target's and
     the heads' nn.Linear layers are switched to oneDNN kernels in place (inference/cpu_linear.py: the same weights;
     plain decoding on the same model then runs on the same kernels); `onednn=False` leaves them as they are.
@@ -60,12 +62,18 @@ class Speculator:
         accuracy = read_accuracy(heads_dir) if heads_dir is not None else None  # read once, not per generation
         self.heads_prior = conditional_rates(accuracy) if accuracy else None  # the adaptive policy's prior rates
         self.is_eagle = str(heads.config.method).startswith("eagle")
+        self.is_dflash = heads.config.method == "dflash"
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
         vocab_fraction = scored / heads.config.vocab_size
-        self.step_cost = StepCost(None, PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else medusa_draft_prior(vocab_fraction))
-        self.max_depth = DEFAULT_EAGLE_TREE.depth if self.is_eagle else heads.config.num_heads
-        share = not self.is_eagle and heads.config.share_lm_head
-        # Medusa heads sharing the target's lm_head score its draft-vocabulary rows: sliced and packed once
+        draft_prior = (PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else
+                       dflash_draft_prior(heads.config.num_layers, vocab_fraction) if self.is_dflash else
+                       medusa_draft_prior(vocab_fraction))
+        self.step_cost = StepCost(None, draft_prior)
+        self.max_depth = (DEFAULT_EAGLE_TREE.depth if self.is_eagle else
+                          heads.config.block_size - 1 if self.is_dflash else heads.config.num_heads)
+        share = self.is_dflash or (not self.is_eagle and heads.config.share_lm_head)
+        # Medusa heads sharing the target's lm_head, and a DFlash draft, score its draft-vocabulary rows: sliced and
+        # packed once
         self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), onednn)
                               if share else None)
         self.tree: Tree | None = None  # Medusa: the static tree
@@ -80,6 +88,8 @@ class Speculator:
     def make_proposer(self) -> Proposer:
         if self.is_eagle:
             return EagleProposer(self.heads, self.model, self.dynamic)
+        if self.is_dflash:
+            return DFlashProposer(self.heads, self.model, self.tree, self.draft_project)
         return MedusaProposer(self.heads, self.tree, self.draft_project)
 
     @classmethod
@@ -117,7 +127,7 @@ class Speculator:
             if self.is_eagle:
                 self.dynamic = DEFAULT_EAGLE_TREE
                 return
-            choices = default_choices(self.heads.config.num_heads)
+            choices = default_choices(self.max_depth)
         elif tree == "auto":
             self.calibrate()
             return
@@ -137,7 +147,7 @@ class Speculator:
         else:
             choices = tree
         cfg = self.heads.config
-        try:  # EAGLE drafts any depth; Medusa has one head per depth
+        try:  # EAGLE drafts any depth; Medusa has one head per depth, DFlash block_size - 1 slots
             choices = check_choices(choices, None if self.is_eagle else self.max_depth,
                                     getattr(cfg, "draft_vocab_size", 0) or cfg.vocab_size)
         except ValueError as err:
@@ -166,7 +176,8 @@ class Speculator:
                   timer: Timer | None = None) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        draft_for = eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else None
+        draft_for = (eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else
+                     dflash_draft_timer(self.heads, self.model, prefix_len, self.draft_project) if self.is_dflash else None)
         if self.is_eagle and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,

@@ -1,0 +1,90 @@
+"""DFlash drafting at inference: one draft forward over the block [root, mask, ...] scores every depth at once.
+
+The draft keeps, per layer, the keys and values of the fused target features of every committed target cache
+position (heads/dflash.py). Each proposal
+  1. appends those of the positions new since the last call (the prompt after the prefill, the accepted path after
+     a verification), from the target's true features;
+  2. runs the block [root, mask x (block_size - 1)] at positions n .. n + block_size - 1 (n = the root's position,
+     the first one without target features) over them, the block bidirectional, nothing of it kept;
+  3. fills a static tree: the node at depth d and rank r gets slot d's rank-r token (slots are scored
+     independently, as Medusa heads are, so the same trees, tree sizing and adaptive drafting apply).
+A chain (the tree [[0], [0, 0], ...]) is what an engine verifies.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
+
+
+class DFlashProposer:
+    """Proposer (inference/tree.py) for a DFlash draft over a static tree; one per generated sequence (stateful)."""
+
+    def __init__(self, draft: torch.nn.Module, model, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor]):
+        self.draft = draft
+        self.embed = model.get_input_embeddings()
+        self.project = project  # normed slot outputs [D, h] -> logits over the scored rows (draft_lm_head_weight)
+        self.max_depth = draft.config.block_size - 1
+        self.feature_layers = list(draft.config.feature_layers)  # the decode loop hands over these target taps
+        self._trees: dict[tuple, Tree] = {}
+        self.tree = self._check(tree)
+        self.reset()
+
+    def _check(self, tree: Tree) -> Tree:
+        if tree.max_depth > self.max_depth:
+            raise ValueError(f"the tree is {tree.max_depth} deep but the DFlash block drafts {self.max_depth} tokens; "
+                             f"use a tree of depth <= {self.max_depth}")
+        return tree
+
+    def resize(self, choices: list[list[int]]) -> None:
+        """Draft the tree of these choices from now on (adaptive drafting, inference/adapt.py)."""
+        key = tuple(tuple(c) for c in choices)
+        if key not in self._trees:
+            self._trees[key] = tree_from_choices(choices)
+        self.tree = self._check(self._trees[key])
+
+    def reset(self) -> None:
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values [1, kvh, n, d]
+        self.committed = 0  # target cache positions whose features are in the cache
+        self.pending: list[torch.Tensor] = []  # taps [k, n*h] of positions committed.. not yet appended
+
+    @torch.no_grad()
+    def __call__(self, inp: DraftInput) -> tuple[Tree, torch.Tensor]:
+        if inp.features is not None:
+            self.pending.append(inp.features)
+        depth = self.tree.max_depth
+        if depth == 0:  # plain decoding: nothing to draft (the features wait for the next draft)
+            return self.tree, torch.tensor([inp.root], dtype=torch.long)
+        self._commit()
+        logits = self.block_logits(inp.root, depth)  # [depth, Vd]
+        topk = self.draft.to_target_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [depth, k]
+        return self.tree, static_tree_tokens(self.tree, inp.root, topk)
+
+    def block_logits(self, root: int, depth: int) -> torch.Tensor:
+        """Logits [depth, Vd] of slots 1..depth of the block after the committed context."""
+        cfg = self.draft.config
+        device = next(self.draft.parameters()).device
+        tokens = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+        tokens[0, 0] = root
+        positions = torch.arange(self.committed, self.committed + cfg.block_size, device=device)[None]
+        out = self.draft(self.embed(tokens), positions, self.cache)[0]  # [Bk, h]
+        return self.project(self.draft.norm(out[1 : depth + 1]))
+
+    def _commit(self) -> None:
+        """Append the keys and values of the pending target positions."""
+        if not self.pending:
+            if self.cache is None:
+                raise RuntimeError("DFlash draft called before any target features were handed over")
+            return
+        taps = torch.cat(self.pending)  # [k, n*h]
+        self.pending = []
+        k = taps.shape[0]
+        positions = torch.arange(self.committed, self.committed + k, device=taps.device)[None]
+        new = self.draft.context_kv(self.draft.fuse(taps)[None], positions)
+        self.cache = new if self.cache is None else [
+            (torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2))
+            for (old_k, old_v), (new_k, new_v) in zip(self.cache, new)]
+        self.committed += k

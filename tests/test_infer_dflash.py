@@ -1,0 +1,151 @@
+"""DFlash drafting at inference: greedy exactness (fixed trees, chains, adaptive, lookup), the draft cache holds the
+true features of exactly the committed positions, lossless sampling (chi-square), loading and `--tree auto`."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import DynamicCache
+
+from heads.dflash import DFlashDraft, dflash_config_for
+from heads.target import fingerprint
+from inference.decode import SamplingConfig, speculative_generate
+from inference.dflash import DFlashProposer
+from inference.forward import target_forward
+from inference.generate import Speculator, SpeculatorError
+from inference.tree import tree_from_choices
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0) -> DFlashDraft:
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=block_size, mask_token_id=vocab - 1,
+                                          feature_layers=[1, 3], draft_vocab_size=draft_vocab,
+                                          target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
+    if draft_vocab:
+        draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
+    with torch.no_grad():  # the target's lm_head reads the draft's output: make it the target's scale
+        draft.norm.weight.copy_(model.model.norm.weight)
+    return draft.eval()
+
+
+def spec_for(model, draft, tree) -> Speculator:
+    return Speculator(model, draft, tree=tree, onednn=False)
+
+
+def no_eos(model):
+    """A 16-token vocabulary holds the default EOS id: generate to the token budget instead."""
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("tree", [[[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]])
+def test_greedy_output_equals_generate(model_type, tree):
+    """A 16-token vocabulary: random drafts are often right, so accepted paths (scattered too) are exercised."""
+    model = no_eos(tiny_model(model_type, num_hidden_layers=4, vocab_size=16, seed=3))
+    spec = spec_for(model, make_draft(model), tree)
+    gen = torch.Generator().manual_seed(0)
+    accepted = 0
+    for i in range(6):
+        prompt = torch.randint(0, 15, (1, 5 + i), generator=gen)
+        ref = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
+        for adaptive, lookup in ((False, False), (True, False), (True, True)):
+            out = spec.generate(prompt, 40, stop_token_ids=[], adaptive=adaptive, lookup=lookup)
+            assert out.tokens == ref, (adaptive, lookup)
+            accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+    assert accepted > 20
+
+
+def test_cache_holds_the_true_features_of_the_committed_positions():
+    """After a generation the draft cache equals one pass over the target's features of every committed position:
+    the prompt and each step's accepted path, nothing drafted."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3)
+    draft = make_draft(model)
+    proposer = DFlashProposer(draft, model, tree_from_choices([[0], [1], [0, 0], [0, 0, 0]]),
+                              lambda x: x @ model.lm_head.weight.t())
+    prompt = torch.randint(0, 15, (7,), generator=torch.Generator().manual_seed(1))
+    out = speculative_generate(model, proposer, prompt, 30, stop_token_ids=[])
+    seq = prompt.tolist() + out.tokens
+    n = proposer.committed  # the position of the last root drafted from: features of 0..n-1 committed
+    assert 7 < n <= len(seq) - 1 and not proposer.pending
+    _, _, taps = target_forward(model, torch.tensor([seq[:n]]), DynamicCache(), feature_layers=[1, 3])
+    with torch.no_grad():
+        full = draft.context_kv(draft.fuse(taps)[None], torch.arange(n)[None])
+    for (k, v), (k_ref, v_ref) in zip(proposer.cache, full):
+        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_vocabulary_scores_only_its_tokens():
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
+    spec = spec_for(model, make_draft(model, draft_vocab=8), [[0], [1], [0, 0]])  # even ids only
+    prompt = torch.randint(0, 15, (1, 6), generator=torch.Generator().manual_seed(2))
+    proposer = spec.make_proposer()
+    drafted = []
+    original = proposer.__call__
+
+    def record(inp):
+        tree, tokens = original(inp)
+        drafted.extend(tokens[1:].tolist())
+        return tree, tokens
+
+    record.feature_layers = proposer.feature_layers  # the decode loop computes these taps for the draft
+    out = speculative_generate(model, record, prompt, 24, stop_token_ids=[])
+    ref = model.generate(prompt, max_new_tokens=24, do_sample=False)[0, 6:].tolist()
+    assert out.tokens == ref and drafted and all(t % 2 == 0 for t in drafted)
+
+
+def test_sampling_matches_the_target_distribution():
+    """Temperature 1 on a vocab-8 target: the first three tokens follow the target's exact joint distribution."""
+    from scipy.stats import chi2
+
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    spec = spec_for(model, make_draft(model), [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    prompt = torch.tensor([1, 5, 3, 6])
+    conts = torch.tensor(list(itertools.product(range(8), range(8))))
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)
+    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
+    for row, (t1, t2) in enumerate(conts.tolist()):
+        exact[t1, t2] = (logp[row, 3, t1] + logp[row, 4, t2] + logp[row, 5]).exp()
+    n = 2000
+    counts = torch.zeros(8, 8, 8)
+    accepted = 0
+    for s in range(n):
+        out = speculative_generate(model, spec.make_proposer(), prompt, 3, SamplingConfig(temperature=1.0), [],
+                                   torch.Generator().manual_seed(s))
+        counts[tuple(out.tokens)] += 1
+        accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+    assert accepted > n // 4  # drafted tokens were kept (the caches got compacted)
+    expected, observed = exact.reshape(-1) * n, counts.reshape(-1).double()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    pvalue = float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))
+    assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
+
+
+def test_speculator_loads_dflash_dirs_sizes_trees_and_refuses_another_target(tmp_path):
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=0))
+    make_draft(model, block_size=4).save_pretrained(tmp_path)
+    spec = Speculator.from_pretrained(str(tmp_path), target=model, tree="default")
+    assert spec.is_dflash and spec.max_depth == 3 and spec.tree.max_depth <= 3
+    prompt = torch.randint(0, 15, (10,), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 10:].tolist()
+    assert spec.generate(prompt, 24, stop_token_ids=[]).tokens == ref
+    with pytest.raises(SpeculatorError, match="deep"):
+        spec.set_tree([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+    calib = spec.calibrate(sizes=(1, 2, 4), prefix_len=32, repeats=1)
+    assert spec.tree.size == len(calib.choices) + 1 and (tmp_path / "tree.json").is_file()
+    assert {2, 4} <= set(calib.draft_ratio)  # the draft timed per tree size
+    other = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=9)
+    with pytest.raises(SpeculatorError, match="fingerprint"):
+        Speculator.from_pretrained(str(tmp_path), target=other)
