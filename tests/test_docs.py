@@ -132,7 +132,7 @@ PROMPTS = "10"  # prompts self-distilled, by a script or by a trainer that finds
 def reduce_args(module: str, args: list[str], target: str) -> list[str]:
     if module == "train.selfdistill":  # the recipe's generation settings stay: a trainer's self-distillation uses them
         return args + ["--target", target, "--num_prompts", PROMPTS]
-    if module in ("train.medusa", "train.eagle"):
+    if module in ("train.medusa", "train.eagle", "train.dflash"):
         extra = ["--target", target, "--num_prompts", PROMPTS, "--max_steps", "2", "--eval_rows", "2",
                  "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1", "--max_length", "256",
                  "--report_to", "none"]
@@ -186,7 +186,7 @@ def last_value(args: list[str], flag: str, default=None):
 
 
 CONFIG_CLASSES = {"train.selfdistill": "SelfDistillConfig", "train.medusa": "MedusaTrainConfig",
-                  "train.eagle": "EagleTrainConfig"}
+                  "train.eagle": "EagleTrainConfig", "train.dflash": "DFlashTrainConfig"}
 
 
 def output_dir(module: str, args: list[str]) -> Path | None:
@@ -299,7 +299,7 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
             result = importlib.import_module(module).main(args)
     assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
     check_outputs(module, args, printed.getvalue())
-    if module in ("train.medusa", "train.eagle"):  # a rerun into the same directory wrote its heads again
+    if module in ("train.medusa", "train.eagle", "train.dflash"):  # a rerun into the same directory wrote its heads again
         assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 
 

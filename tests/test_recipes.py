@@ -6,12 +6,14 @@ import pytest
 import yaml
 
 from train.config import parse_config
+from train.dflash import DFlashTrainConfig
 from train.eagle import EagleTrainConfig
 from train.medusa import MedusaTrainConfig
 from train.selfdistill import SelfDistillConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig, "eagle": EagleTrainConfig}
+SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig, "eagle": EagleTrainConfig,
+                  "dflash": DFlashTrainConfig}
 
 
 def script_recipes():
