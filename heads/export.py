@@ -3,6 +3,7 @@
     python -m heads.export runs/eagle3-smollm2/heads out/eagle3-vllm --format vllm
     python -m heads.export runs/eagle3-smollm2/heads out/eagle3-sglang --format sglang
     python -m heads.export runs/eagle3-smollm2/heads out/eagle3-speculators --format speculators
+    python -m heads.export runs/dflash-smollm2/heads out/dflash-vllm --format vllm
 
     from heads.export import export_heads
     export_heads("runs/eagle3-smollm2/heads", "out/eagle3-vllm", "vllm")   # -> Path("out/eagle3-vllm")
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from heads.export_card import launch_snippets, model_card
-from heads.export_formats import ExportError, eagle1_export, eagle3_export, medusa_export, target_hub_id
+from heads.export_formats import ExportError, dflash_export, eagle1_export, eagle3_export, medusa_export, target_hub_id
 
 FORMATS = ("vllm", "sglang", "speculators")
 EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md")  # all an export writes
@@ -63,7 +64,8 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     cfg = heads.config
     metrics = _read_json(source / "metrics.json")
     depth = len(metrics.get("top1", [])) or (cfg.num_heads if hasattr(cfg, "num_heads") else 3)
-    k = num_speculative_tokens or (cfg.num_heads if method in ("medusa", "medusa2") else depth)
+    k = num_speculative_tokens or (cfg.num_heads if method in ("medusa", "medusa2") else
+                                   cfg.block_size - 1 if method == "dflash" else depth)
     if method in ("medusa", "medusa2") and k > cfg.num_heads:
         raise ExportError(f"vLLM runs Medusa as a chain of one guess per head: at most {cfg.num_heads} speculative "
                           f"tokens for these {cfg.num_heads} heads, not {k}")
@@ -72,6 +74,8 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or cfg.target.get("name"))
     elif method == "eagle":
         config, tensors, notes = eagle1_export(heads, fmt, target)
+    elif method == "dflash":
+        config, tensors, notes = dflash_export(heads, fmt)
     else:
         config, tensors, notes = medusa_export(heads, fmt, target, medusa_full_vocab)
 

@@ -31,7 +31,7 @@ def launch_snippets(info: dict, model_ref: str) -> list[str]:
         return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
                 f"--speculative-draft-model-path {model_ref} --speculative-num-steps {k} "
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
-    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[info["method"]]
+    method = info["method"]  # vLLM's method names are headstart's: eagle3, eagle, medusa, dflash
     spec = json.dumps({"method": method, "model": model_ref, "num_speculative_tokens": k})
     extra = (" --model-loader-extra-config '{\"enable_weights_track\": false}'" if "token_map" in info["notes"] else "")
     lines = [f"vllm serve {target} --speculative-config '{spec}'{extra}"]
@@ -45,7 +45,7 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
     hub_id = info["target_hub_id"]
     k = info["num_speculative_tokens"]
     engine = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}[info["format"]]
-    method = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "medusa": "Medusa-1"}[info["method"]]
+    method = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "medusa": "Medusa-1", "dflash": "DFlash"}[info["method"]]
     if hub_id:
         pair = f"Target: `{hub_id}` (trained on weights with headstart fingerprint `{target.get('fingerprint')}`)."
     else:
@@ -65,7 +65,7 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
     snippets = "\n".join(launch_snippets(info, model_ref))
     py = ""
     if info["format"] != "sglang":
-        spec = {"method": {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[info["method"]],
+        spec = {"method": info["method"],
                 "model": model_ref, "num_speculative_tokens": k}
         extra = ', model_loader_extra_config={"enable_weights_track": False}' if "token_map" in info["notes"] else ""
         py = (f"\n```python\nfrom vllm import LLM, SamplingParams\n\nllm = LLM(model=\"{hub_id or target.get('name')}\", "

@@ -28,6 +28,15 @@ Engine conventions (the layouts vLLM's and SGLang's EAGLE / Medusa loaders and S
   command turns the tracker off (`--model-loader-extra-config '{"enable_weights_track": false}'`);
   medusa_full_vocab=True ships the whole lm_head and no token_map instead (loads without the flag, but the heads then
   guess over the whole vocabulary, as headstart's do not). vLLM runs Medusa as a chain (each head's argmax).
+- DFlash, vLLM (`method: dflash`, `DFlashDraftModel`, vLLM's qwen3_dflash.py): a Qwen3 config (`model_type: qwen3`,
+  `rope_parameters` written out: vLLM's default theta is 1e6) with `dflash_config` {`target_layer_ids`,
+  `mask_token_id`}; vLLM's target_layer_ids k is HF hidden_states[k + 1] (a layer's output), so headstart's
+  feature_layers are shifted by one, and vLLM concatenates them in ascending order (fc's column blocks are sorted to
+  match). No embed_tokens / lm_head: vLLM then uses the target's, as the draft was trained; no `token_map` (an unknown
+  tensor is an error there; vLLM scores the whole vocabulary). The block is set by num_speculative_tokens alone, so
+  the launch command gives block_size - 1 (the block attends both ways: another length changes every slot).
+  vLLM 0.32's CPU kernel normalises every layer's context keys with layer 0's k_norm (docs/serving.md); a draft of
+  several layers with distinct k_norm weights is exported as trained and the note says so.
 - Qwen2-family drafts (q/k/v biases, no o_proj bias) are written as Llama layers with `attention_bias: true` and a
   zero `o_proj.bias` (exact). SGLang's EAGLE-3 layer has no q/k/v bias: refused there.
 """
@@ -290,3 +299,39 @@ def medusa_export(heads, fmt: str, target, full_vocab: bool) -> tuple[dict, dict
         notes["token_map"] = ("vLLM 0.32 loads token_map but its weight tracker then reports it as not initialised: "
                               "serve with --model-loader-extra-config '{\"enable_weights_track\": false}'")
     return config, tensors, notes
+
+
+def dflash_export(heads, fmt: str) -> tuple[dict, dict, dict]:
+    """A DFlash draft for vLLM -> (engine config, tensors, conversion notes)."""
+    cfg = heads.config
+    if fmt != "vllm":
+        raise ExportError(f"headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked "
+                          "against a loader: use --format vllm")
+    L = cfg.target.get("num_hidden_layers", -1)
+    if any(i < 1 or i >= L for i in cfg.feature_layers):
+        raise ExportError(f"feature_layers {cfg.feature_layers}: vLLM's DFlash reads decoder-layer outputs before the "
+                          f"final norm, HF hidden_states 1..{L - 1}; this draft reads others, so vLLM would feed it "
+                          "other features than it was trained on")
+    state = {n: t.detach().cpu() for n, t in heads.state_dict().items() if n != "token_map"}
+    order = sorted(range(len(cfg.feature_layers)), key=lambda i: cfg.feature_layers[i])
+    h = cfg.hidden_size
+    state["fc.weight"] = torch.cat([state["fc.weight"][:, i * h:(i + 1) * h] for i in order], dim=1)
+    layer = dict(cfg.layer_config)
+    config = dict(layer, architectures=["DFlashDraftModel"], model_type="qwen3", tie_word_embeddings=False,
+                  target_hidden_size=h, torch_dtype="float32",
+                  rope_theta=layer["rope_parameters"].get("rope_theta"),
+                  dflash_config={"target_layer_ids": sorted(i - 1 for i in cfg.feature_layers),
+                                 "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size})
+    notes = {"layer_ids": f"vLLM target_layer_ids {config['dflash_config']['target_layer_ids']} = HF hidden_states "
+                          f"{sorted(cfg.feature_layers)} (vLLM's k is hidden_states[k + 1])",
+             "block": f"serve with num_speculative_tokens {cfg.block_size - 1} (the trained block, anchor included, "
+                      f"is {cfg.block_size})"}
+    if cfg.draft_vocab_size:
+        notes["vocabulary"] = (f"vLLM scores the whole vocabulary; headstart's loop scored the {cfg.draft_vocab_size} "
+                               "most frequent tokens (token_map, not exported)")
+    k_norms = [state[f"layers.{i}.self_attn.k_norm.weight"] for i in range(cfg.num_layers)]
+    if any(not torch.equal(k, k_norms[0]) for k in k_norms[1:]):
+        notes["vllm_cpu_k_norm"] = ("vLLM 0.32's CPU build normalises every layer's context keys with layer 0's "
+                                    "k_norm; this draft's layers differ, so on a CPU patch DFlashQwen3Model."
+                                    "_normalize_context_k as docs/serving.md shows (GPU builds are unaffected)")
+    return config, state, notes

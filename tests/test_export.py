@@ -349,3 +349,50 @@ def test_cli_and_push(tmp_path, monkeypatch, capsys):
     out, pushed = export_and_push(src, "me/draft-vllm", "vllm")
     assert not pushed and out == src.with_name(f"{src.name}-vllm") and (out / "model.safetensors").is_file()
     assert '"model": "me/draft-vllm"' in (out / "README.md").read_text()
+
+
+# DFlash in vLLM's qwen3_dflash layout: two draft layers, no embed_tokens / lm_head (the target's are used)
+VLLM_DFLASH = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+    f"layers.{i}.{name}.weight" for i in range(2) for name in (
+        "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+        "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash"):
+    from heads.dflash import DFlashDraft, dflash_config_for
+
+    torch.manual_seed(3)
+    draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=7,
+                                          feature_layers=feature_layers, draft_vocab_size=32, target_info=info))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    draft.set_draft_vocab(torch.arange(32) * 2)
+    draft.save_pretrained(tmp_path / name)
+    return tmp_path / name, draft
+
+
+def test_dflash_vllm_layout(tmp_path):
+    """vLLM's names, layer ids shifted by one, fc's column blocks in ascending layer order (vLLM concatenates the
+    taps so), the block length in the launch command, the CPU k_norm note."""
+    model, info = make_target("llama")
+    path, draft = dflash_dir(tmp_path, model, info, [4, 2, 5])
+    out = export_heads(path, tmp_path / "out", "vllm")
+    config, tensors = read(out)
+    assert set(tensors) == VLLM_DFLASH
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and config["dflash_config"]["mask_token_id"] == 7
+    assert config["num_hidden_layers"] == 2 and config["rope_parameters"]["rope_theta"] == config["rope_theta"]
+    assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config  # they would win in vLLM
+    taps = torch.randn(5, 3 * 64)  # headstart's order: hidden_states 4, 2, 5
+    ascending = torch.cat([taps[:, 64:128], taps[:, :64], taps[:, 128:]], dim=1)  # vLLM's: 2, 4, 5
+    torch.testing.assert_close(ascending @ tensors["fc.weight"].t(), draft.fc(taps).detach(), rtol=1e-5, atol=1e-5)
+    info_json = json.loads((out / "export.json").read_text())
+    assert info_json["num_speculative_tokens"] == 3 and "vllm_cpu_k_norm" in info_json["notes"]
+    card = (out / "README.md").read_text()
+    assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card
+    with pytest.raises(ExportError, match="vLLM only"):
+        export_heads(path, tmp_path / "sg", "sglang")
+    top, _ = dflash_dir(tmp_path, model, info, [2, LAYERS], name="top")
+    with pytest.raises(ExportError, match="final norm"):
+        export_heads(top, tmp_path / "top-out", "vllm")
