@@ -4,7 +4,8 @@ The draft reads the target's hidden states at several layers (`feature_layers`, 
 the embedding output, [i + 1] layer i's output), fused per position: ctx = hidden_norm(fc(cat(taps))) [.., h].
 A block is [anchor, mask x (block_size - 1)] at positions p .. p + block_size - 1, where the anchor x_p is the last
 token known to be the target's (at inference the bonus token) and p is the first position whose target features are
-not known yet. In every draft layer the block's queries attend to
+not known yet. Tokens are embedded with the target's embedding, except `mask_token_id`, which gets the draft's own
+trained `mask_embedding` (vLLM reads it from `mask_embedding.pt`). In every draft layer the block's queries attend to
   keys/values of the context: k_norm(k_proj(ctx_s)), v_proj(ctx_s) for every position s < p (the layer's own
     projections of the same fused context; the context has no residual stream of its own), and
   keys/values of the whole block (bidirectional inside the block),
@@ -15,14 +16,16 @@ target's and are not stored.
 
 Tensor names follow vLLM's DFlash loader (model_executor/models/qwen3_dflash.py): `fc`, `hidden_norm`,
 `layers.{i}.self_attn.{q,k,v,o}_proj`, `layers.{i}.self_attn.{q,k}_norm`, `layers.{i}.mlp.{gate,up,down}_proj`,
-`layers.{i}.{input,post_attention}_layernorm`, `norm`. With `draft_vocab_size` > 0 the `token_map` buffer lists the
-target ids headstart's own decode loop scores (the most frequent target-written tokens; training always scores
-the whole vocabulary, as an engine does).
+`layers.{i}.{input,post_attention}_layernorm`, `norm` (and `mask_embedding`, exported as its own file). With `draft_vocab_size` > 0 the draft scores only a draft
+vocabulary, in training and at inference: the `token_map` buffer [Vd] lists its target ids (the most frequent
+target-written tokens, increasing), and logits are the target lm_head's rows of them (`draft_lm_head_weight`); an
+export ships those rows as the draft's lm_head with vLLM's `d2t` offsets.
 
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=8, mask_token_id=m))
-    ctx = draft.fuse(taps)                                         # [B, S, n*h] -> [B, S, h]
-    out = draft(block_embeds, positions, ctx, ctx_positions, mask)  # [B, Q, h]
-    logits = draft.logits(out, lm_head_weight)                     # [B, Q, V]
+    ctx_kv = draft.context_kv(draft.fuse(taps), ctx_positions)      # taps [B, S, n*h] -> per layer keys, values
+    embeds = draft.embed_block(tokens, target_embeds)               # [B, Q, h]: mask tokens get mask_embedding
+    out = draft(embeds, positions, ctx_kv, mask)                    # [B, Q, h]
+    logits = draft.logits(out, draft.draft_lm_head_weight(lm_head_weight))  # [B, Q, Vd]
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class DFlashConfig:
     mask_token_id: int = 0  # the target token id fed at the block's drafted slots
     feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
     layer_config: dict = field(default_factory=dict)  # Qwen3Config fields of the draft layers (the target's width)
-    draft_vocab_size: int = 0  # > 0: headstart's decode loop scores only these target ids (`token_map`)
+    draft_vocab_size: int = 0  # > 0: the draft scores only these many target ids (`token_map`); 0: all of them
     target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
 
     def __post_init__(self):
@@ -158,11 +161,20 @@ class DFlashDraft(HeadsModule):
         self.hidden_norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(config.num_layers))
         self.norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(h))  # the mask token's input embedding (set from the target)
         self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
         if config.draft_vocab_size:
             self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # draft id -> target id
+            self.register_buffer("target_to_draft", torch.full((config.vocab_size,), -1), persistent=False)
+            self.set_draft_vocab(self.token_map)
         else:
             self.token_map = None
+
+    def embed_block(self, tokens: torch.Tensor, target_embeds: torch.Tensor) -> torch.Tensor:
+        """tokens [..., Q] and their target embeddings [..., Q, h] -> the draft's input: mask tokens replaced by
+        mask_embedding (as vLLM does: by token id, wherever it occurs)."""
+        is_mask = (tokens == self.config.mask_token_id)[..., None]
+        return torch.where(is_mask, self.mask_embedding.to(target_embeds.dtype), target_embeds)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """The target's tapped hidden states [..., n*h] (feature_layers order) -> context features [..., h]."""
@@ -187,23 +199,37 @@ class DFlashDraft(HeadsModule):
             x = layer(x, cos, sin, kv, mask)
         return x
 
-    def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """out [..., h] -> logits [..., V] through `norm` and the target's lm_head weight [V, h] (or the rows of it the
-        decode loop scores, [Vd, h])."""
-        return self.norm(out) @ lm_head_weight.t()
+    def logits(self, out: torch.Tensor, scored_weight: torch.Tensor) -> torch.Tensor:
+        """out [..., h] -> logits [..., Vd] through `norm` and the rows of the target's lm_head the draft scores
+        (`draft_lm_head_weight(lm_head_weight)`, [Vd, h])."""
+        return self.norm(out) @ scored_weight.t()
 
     def draft_lm_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head [V, h] -> the rows headstart's decode loop scores: [Vd, h] (or all of them)."""
+        """The target's lm_head [V, h] -> the rows the draft scores: [Vd, h] (or all of them)."""
         return lm_head_weight if self.token_map is None else lm_head_weight[self.token_map]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Indices into draft_lm_head_weight's rows -> target token ids."""
         return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
+    def to_draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (indices into the logits, in-vocabulary mask); out-of-vocabulary labels become 0."""
+        if self.token_map is None:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        draft = self.target_to_draft[labels]
+        return draft.clamp(min=0), draft >= 0
+
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Score only these target ids (draft_vocab_size distinct ones) in the decode loop, in increasing order."""
-        ids = torch.unique(target_ids.long())
+        """Score only these target ids (draft_vocab_size distinct ones), in increasing order."""
+        ids = torch.unique(target_ids.long()).to(self.token_map.device)
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
         self.token_map.copy_(ids)
+        self.target_to_draft.fill_(-1)
+        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.token_map is not None:  # the non-persistent inverse map follows the loaded token_map
+            self.set_draft_vocab(self.token_map)

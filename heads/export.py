@@ -29,11 +29,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from heads.export_card import launch_snippets, model_card
-from heads.export_formats import ExportError, dflash_export, eagle1_export, eagle3_export, medusa_export, target_hub_id
+from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
+                                  medusa_export, target_hub_id)
 
 FORMATS = ("vllm", "sglang", "speculators")
-EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md")  # all an export writes
+# all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
+EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE)
 
 
 # ----------------------------------------------------------------------------------------------------- entry point
@@ -75,7 +79,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     elif method == "eagle":
         config, tensors, notes = eagle1_export(heads, fmt, target)
     elif method == "dflash":
-        config, tensors, notes = dflash_export(heads, fmt)
+        config, tensors, notes = dflash_export(heads, fmt, target)
     else:
         config, tensors, notes = medusa_export(heads, fmt, target, medusa_full_vocab)
 
@@ -86,8 +90,11 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     tmp.mkdir()  # mode from the umask (tempfile.mkdtemp's 0700 would be kept by the rename)
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        files = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".pt")}  # files of their own
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
+        for name, content in files.items():
+            torch.save(content, tmp / name)
         info = {"format": fmt, "method": method, "source": str(heads_dir), "target": cfg.target,
                 "target_hub_id": hub_id, "num_speculative_tokens": k, "notes": notes,
                 "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
@@ -97,7 +104,10 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
             os.replace(tmp, out)
         else:  # empty, or an earlier export: replace its files only, anything else in it stays
             for name in EXPORT_FILES:
-                os.replace(tmp / name, out / name)
+                if (tmp / name).exists():
+                    os.replace(tmp / name, out / name)
+                elif (out / name).exists():  # the earlier export had it, this one has not
+                    os.remove(out / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -32,8 +32,11 @@ Engine conventions (the layouts vLLM's and SGLang's EAGLE / Medusa loaders and S
   `rope_parameters` written out: vLLM's default theta is 1e6) with `dflash_config` {`target_layer_ids`,
   `mask_token_id`}; vLLM's target_layer_ids k is HF hidden_states[k + 1] (a layer's output), so headstart's
   feature_layers are shifted by one, and vLLM concatenates them in ascending order (fc's column blocks are sorted to
-  match). No embed_tokens / lm_head: vLLM then uses the target's, as the draft was trained; no `token_map` (an unknown
-  tensor is an error there; vLLM scores the whole vocabulary). The block is set by num_speculative_tokens alone, so
+  match). No embed_tokens: vLLM then uses the target's, as the draft was trained. A draft with a draft vocabulary
+  ships the target lm_head's rows of it as `lm_head.weight` [Vd, h] with `d2t` (draft id i is target id i + d2t[i])
+  and `draft_vocab_size`, which vLLM scores as headstart does; a full-vocabulary draft ships no lm_head (vLLM then
+  uses the target's). The draft's trained mask embedding goes to `mask_embedding.pt` ({mask_token_id, embedding}),
+  the file vLLM substitutes for the mask token's embedding row. `token_map` itself is not shipped (an unknown tensor is an error there). The block is set by num_speculative_tokens alone, so
   the launch command gives block_size - 1 (the block attends both ways: another length changes every slot).
   vLLM 0.32's CPU kernel normalises every layer's context keys with layer 0's k_norm (docs/serving.md); a draft of
   several layers with distinct k_norm weights is exported as trained and the note says so.
@@ -48,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+MASK_EMBEDDING_FILE = "mask_embedding.pt"  # vLLM's DFlash reads the mask token's own embedding from this file
 LLAMA_LIKE = ("llama", "qwen2", "mistral")  # decoder layers an engine's Llama EAGLE layer reproduces exactly
 # the Llama config keys a one-layer draft config carries (everything else of the target's config is dropped)
 LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -301,8 +305,9 @@ def medusa_export(heads, fmt: str, target, full_vocab: bool) -> tuple[dict, dict
     return config, tensors, notes
 
 
-def dflash_export(heads, fmt: str) -> tuple[dict, dict, dict]:
-    """A DFlash draft for vLLM -> (engine config, tensors, conversion notes)."""
+def dflash_export(heads, fmt: str, target) -> tuple[dict, dict, dict]:
+    """A DFlash draft for vLLM -> (engine config, tensors, conversion notes); target: see _target_weights (a draft
+    vocabulary ships its lm_head rows)."""
     cfg = heads.config
     if fmt != "vllm":
         raise ExportError(f"headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked "
@@ -312,7 +317,10 @@ def dflash_export(heads, fmt: str) -> tuple[dict, dict, dict]:
         raise ExportError(f"feature_layers {cfg.feature_layers}: vLLM's DFlash reads decoder-layer outputs before the "
                           f"final norm, HF hidden_states 1..{L - 1}; this draft reads others, so vLLM would feed it "
                           "other features than it was trained on")
-    state = {n: t.detach().cpu() for n, t in heads.state_dict().items() if n != "token_map"}
+    state = {n: t.detach().cpu() for n, t in heads.state_dict().items() if n not in ("token_map", "mask_embedding")}
+    # a file of its own ({"mask_token_id", "embedding"}, read with torch.load(weights_only=True)), not a tensor
+    state[MASK_EMBEDDING_FILE] = {"mask_token_id": cfg.mask_token_id,
+                                  "embedding": heads.mask_embedding.detach().cpu().float().clone()}
     order = sorted(range(len(cfg.feature_layers)), key=lambda i: cfg.feature_layers[i])
     h = cfg.hidden_size
     state["fc.weight"] = torch.cat([state["fc.weight"][:, i * h:(i + 1) * h] for i in order], dim=1)
@@ -327,8 +335,13 @@ def dflash_export(heads, fmt: str) -> tuple[dict, dict, dict]:
              "block": f"serve with num_speculative_tokens {cfg.block_size - 1} (the trained block, anchor included, "
                       f"is {cfg.block_size})"}
     if cfg.draft_vocab_size:
-        notes["vocabulary"] = (f"vLLM scores the whole vocabulary; headstart's loop scored the {cfg.draft_vocab_size} "
-                               "most frequent tokens (token_map, not exported)")
+        _, lm_head = _target_weights(heads, target)
+        token_map = heads.token_map.detach().cpu()
+        state["lm_head.weight"] = lm_head[token_map].to(state["fc.weight"].dtype).contiguous()
+        state["d2t"] = token_map - torch.arange(token_map.numel())
+        config["draft_vocab_size"] = cfg.draft_vocab_size
+        notes["vocabulary"] = (f"the {cfg.draft_vocab_size} draft-vocabulary rows of the target's lm_head with d2t "
+                               "offsets (vLLM's EAGLE-3 convention), as headstart scores them")
     k_norms = [state[f"layers.{i}.self_attn.k_norm.weight"] for i in range(cfg.num_layers)]
     if any(not torch.equal(k, k_norms[0]) for k in k_norms[1:]):
         notes["vllm_cpu_k_norm"] = ("vLLM 0.32's CPU build normalises every layer's context keys with layer 0's "

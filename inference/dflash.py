@@ -70,7 +70,7 @@ class DFlashProposer:
         tokens = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = root
         positions = torch.arange(self.committed, self.committed + cfg.block_size, device=device)[None]
-        out = self.draft(self.embed(tokens), positions, self.cache)[0]  # [Bk, h]
+        out = self.draft(self.draft.embed_block(tokens, self.embed(tokens)), positions, self.cache)[0]  # [Bk, h]
         return self.project(self.draft.norm(out[1 : depth + 1]))
 
     def _commit(self) -> None:

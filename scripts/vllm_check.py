@@ -13,12 +13,16 @@ environment"), so this script has two modes:
 
     # one vLLM run (in the vLLM venv; imports only vllm and the standard library)
     python scripts/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
-        [--draft DIR --method eagle3 --k 3 [--no_weights_track]]
+        [--draft DIR --method eagle3 --k 3 [--no_weights_track] [--per_layer_k_norm]]
 
 Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens
 written after the prefill / target forwards in the decode phase (bonus token included; GenerateStats.tau over all
 prompts), with lookup off and a chain tree of depth k. Both fp32,
 greedy. `compare` writes results.json and results.md under --output.
+
+DFlash drafts run with k = block_size - 1 (the block they were trained on). vLLM 0.32's CPU build normalises every DFlash layer's context keys with layer 0's k_norm
+(its rms_norm kernel reads one weight row); for a draft whose layers differ, `--per_layer_k_norm` replaces that one
+method by a per-layer loop of the same kernel, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), and the run records it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def run_vllm(args: argparse.Namespace) -> dict:
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(Path(args.prompts).read_text())
+    if args.per_layer_k_norm:
+        patch_dflash_context_k_norm()
     kwargs = dict(model=args.target, dtype="float32", gpu_memory_utilization=0.3, disable_log_stats=False,
                   max_model_len=args.max_model_len, seed=0, enforce_eager=True)
     if args.draft:
@@ -55,7 +61,8 @@ def run_vllm(args: argparse.Namespace) -> dict:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     done = time.perf_counter()
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded - start, 1),
-              "generate_s": round(done - loaded, 1), "draft": args.draft, "method": args.method, "k": args.k}
+              "generate_s": round(done - loaded, 1), "draft": args.draft, "method": args.method, "k": args.k,
+              "per_layer_k_norm": args.per_layer_k_norm}
     counters = {}
     for metric in llm.get_metrics():
         if metric.name.startswith("vllm:spec_decode"):
@@ -69,6 +76,23 @@ def run_vllm(args: argparse.Namespace) -> dict:
     return result
 
 
+def patch_dflash_context_k_norm() -> None:
+    """vLLM 0.32 CPU: DFlashQwen3Model._normalize_context_k passes all layers' k_norm weights [L, d] to one rms_norm
+    call, whose CPU kernel applies row 0 to every layer; normalise layer by layer instead (the engine must run in
+    this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+
+    def normalize_context_k(self, all_k):
+        out = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):
+            ops.rms_norm(out[i], all_k[i].contiguous(), self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return out
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = normalize_context_k
+
+
 # ------------------------------------------------------------------------------------- headstart side (its venv)
 
 
@@ -80,11 +104,13 @@ def render_prompts(tokenizer, spec: str, n: int) -> list[list[int]]:
 
 
 def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_tokens: int, target) -> dict:
-    """headstart on the same prompts: a chain of depth k, lookup off, fp32 greedy."""
+    """headstart on the same prompts: a chain of depth k, lookup off, fixed (not adaptive), fp32 greedy."""
+    from heads.load import load_heads_and_target
     from inference.generate import Speculator
 
     chain = [[0] * d for d in range(1, k + 1)]
-    spec = Speculator.from_pretrained(heads_dir, target=target, tree=chain)
+    heads, model, tokenizer, _ = load_heads_and_target(heads_dir, target)
+    spec = Speculator(model, heads, tokenizer, tree=chain, heads_dir=Path(heads_dir), adaptive=False)
     tokens, forwards, outputs = 0, 0, []
     for ids in prompts:
         out = spec.generate(ids, max_new_tokens, lookup=False)
@@ -98,18 +124,21 @@ def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_to
 
 def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, max_new_tokens: int,
              draft: str | None = None, method: str | None = None, k: int = 0, no_weights_track: bool = False,
-             timeout_s: int = 1800) -> dict:
+             per_layer_k_norm: bool = False, timeout_s: int = 1800) -> dict:
     cmd = [python, str(Path(__file__).resolve()), "run", "--target", target_dir, "--prompts", str(prompts_file),
            "--max_new_tokens", str(max_new_tokens), "--out", str(out_file)]
     if draft:
         cmd += ["--draft", draft, "--method", method, "--k", str(k)]
     if no_weights_track:
         cmd.append("--no_weights_track")
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+    if per_layer_k_norm:
+        cmd.append("--per_layer_k_norm")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the patch must reach the engine: run it in this process
     log = out_file.with_suffix(".log")
     print("$", " ".join(cmd), flush=True)
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
-                              env={**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")})
+        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
     if proc.returncode != 0 or not out_file.is_file():
         tail = log.read_text()[-3000:]
         return {"error": f"vLLM exited with {proc.returncode}; log {log}:\n{tail}"}
@@ -139,7 +168,7 @@ def compare(args: argparse.Namespace) -> int:
     results["vllm_base"] = {k: base[k] for k in ("load_s", "generate_s")}
     for heads_dir in args.heads:
         method = read_method(Path(heads_dir))
-        k = args.k
+        k = json.loads((Path(heads_dir) / "config.json").read_text())["block_size"] - 1 if method == "dflash" else args.k
         hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
         hs_identical = sum(a == b[: len(a)] or b == a[: len(b)] for a, b in zip(hs["outputs"], base["outputs"]))
         for fmt in args.formats:
@@ -150,7 +179,8 @@ def compare(args: argparse.Namespace) -> int:
             info = json.loads((exp / "export.json").read_text())
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
                            args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
-                           no_weights_track="token_map" in info["notes"])
+                           no_weights_track="token_map" in info["notes"],
+                           per_layer_k_norm="vllm_cpu_k_norm" in info["notes"])
             # both count the tokens written after the prefill per decode step (vLLM: 1 + accepted / drafts)
             draft_config = json.loads((Path(heads_dir) / "config.json").read_text())
             row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
@@ -167,7 +197,8 @@ def compare(args: argparse.Namespace) -> int:
                            identical_to_vllm_without_draft=f"{same}/{len(prompts)}",
                            relative_difference=round((mal - hs["tau"]) / hs["tau"], 4) if mal else None,
                            vllm_num_drafts=(run.get("counters") or {}).get("vllm:spec_decode_num_drafts"),
-                           vllm_generate_s=run["generate_s"], vllm_load_s=run["load_s"])
+                           vllm_generate_s=run["generate_s"], vllm_load_s=run["load_s"],
+                           vllm_per_layer_k_norm=run.get("per_layer_k_norm", False))
                 if "fc_bias_fold" in info["notes"]:
                     row["fc_bias_fold_residual"] = info["notes"]["fc_bias_fold"]["max_abs_residual"]
             results["runs"].append(row)
@@ -258,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--method", default=None)
     run.add_argument("--k", type=int, default=3)
     run.add_argument("--no_weights_track", action="store_true")
+    run.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
     cmp_ = sub.add_parser("compare", help="headstart vs vLLM on the same prompts (in the headstart venv)")
     cmp_.add_argument("--heads", nargs="+", required=True)
     cmp_.add_argument("--formats", nargs="+", default=["vllm", "speculators"])

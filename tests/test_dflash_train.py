@@ -43,10 +43,11 @@ def args(target_dir, data_dir, out, *extra) -> list[str]:
 def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashDraft:
     torch.manual_seed(seed)
     draft = DFlashDraft(dflash_config_for(model, num_layers, block_size, mask_token_id=5, feature_layers=[1, 2, 3]))
-    with torch.no_grad():  # norms away from 1, so a wrong norm shows
+    with torch.no_grad():  # norms away from 1 and a mask embedding, so a wrong norm or embedding shows
         for name, p in draft.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+        draft.mask_embedding.normal_()
     return draft.eval()
 
 
@@ -104,7 +105,7 @@ def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
         mask[0, 0, 4 * k : 4 * k + 4, :p] = True
         mask[0, 0, 4 * k : 4 * k + 4, T + 4 * k : T + 4 * k + 4] = True
     with torch.no_grad():
-        trained = BlockDraft(draft)(taps, embeds, positions, mask)[0]  # [8, h]
+        trained = BlockDraft(draft)(taps, tokens, embeds, positions, mask)[0]  # [8, h]
         for k, p in enumerate(anchors):
             ctx = draft.fuse(taps[:, :p])
             pieces = [(0, 2), (2, p)]  # committed in two steps
@@ -113,7 +114,8 @@ def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
                 kv = draft.context_kv(ctx[:, a:b], torch.arange(a, b)[None])
                 cache = [new if old is None else (torch.cat([old[0], new[0]], 2), torch.cat([old[1], new[1]], 2))
                          for old, new in zip(cache, kv)]
-            alone = draft(embeds[:, 4 * k : 4 * k + 4], positions[:, 4 * k : 4 * k + 4], cache)[0]
+            block = slice(4 * k, 4 * k + 4)
+            alone = draft(draft.embed_block(tokens[:, block], embeds[:, block]), positions[:, block], cache)[0]
             torch.testing.assert_close(trained[4 * k : 4 * k + 4], alone, rtol=1e-5, atol=1e-5)
 
 

@@ -358,16 +358,17 @@ VLLM_DFLASH = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
 
-def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash"):
+def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash", draft_vocab: int = 32):
     from heads.dflash import DFlashDraft, dflash_config_for
 
     torch.manual_seed(3)
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=7,
-                                          feature_layers=feature_layers, draft_vocab_size=32, target_info=info))
+                                          feature_layers=feature_layers, draft_vocab_size=draft_vocab, target_info=info))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    draft.set_draft_vocab(torch.arange(32) * 2)
+    if draft_vocab:
+        draft.set_draft_vocab(torch.arange(draft_vocab) * 2)
     draft.save_pretrained(tmp_path / name)
     return tmp_path / name, draft
 
@@ -377,9 +378,11 @@ def test_dflash_vllm_layout(tmp_path):
     taps so), the block length in the launch command, the CPU k_norm note."""
     model, info = make_target("llama")
     path, draft = dflash_dir(tmp_path, model, info, [4, 2, 5])
-    out = export_heads(path, tmp_path / "out", "vllm")
+    out = export_heads(path, tmp_path / "out", "vllm", target=model)
     config, tensors = read(out)
-    assert set(tensors) == VLLM_DFLASH
+    assert set(tensors) == VLLM_DFLASH | {"lm_head.weight", "d2t"} and config["draft_vocab_size"] == 32
+    ids = torch.arange(32) + tensors["d2t"]  # vLLM's draft id -> target id
+    assert torch.equal(ids, torch.arange(32) * 2) and torch.equal(tensors["lm_head.weight"], model.lm_head.weight[ids])
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and config["dflash_config"]["mask_token_id"] == 7
     assert config["num_hidden_layers"] == 2 and config["rope_parameters"]["rope_theta"] == config["rope_theta"]
@@ -387,12 +390,17 @@ def test_dflash_vllm_layout(tmp_path):
     taps = torch.randn(5, 3 * 64)  # headstart's order: hidden_states 4, 2, 5
     ascending = torch.cat([taps[:, 64:128], taps[:, :64], taps[:, 128:]], dim=1)  # vLLM's: 2, 4, 5
     torch.testing.assert_close(ascending @ tensors["fc.weight"].t(), draft.fc(taps).detach(), rtol=1e-5, atol=1e-5)
+    mask = torch.load(out / "mask_embedding.pt", weights_only=True)  # as vLLM reads it
+    assert mask["mask_token_id"] == 7 and torch.equal(mask["embedding"], draft.mask_embedding.detach())
     info_json = json.loads((out / "export.json").read_text())
     assert info_json["num_speculative_tokens"] == 3 and "vllm_cpu_k_norm" in info_json["notes"]
     card = (out / "README.md").read_text()
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card
     with pytest.raises(ExportError, match="vLLM only"):
         export_heads(path, tmp_path / "sg", "sglang")
+    full, full_draft = dflash_dir(tmp_path, model, info, [2, 3], name="full", draft_vocab=0)
+    config, tensors = read(export_heads(full, tmp_path / "full-out", "vllm", target=model))
+    assert set(tensors) == VLLM_DFLASH and "draft_vocab_size" not in config  # vLLM uses the target's lm_head
     top, _ = dflash_dir(tmp_path, model, info, [2, LAYERS], name="top")
     with pytest.raises(ExportError, match="final norm"):
         export_heads(top, tmp_path / "top-out", "vllm")

@@ -31,6 +31,7 @@ def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0) 
         draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
     with torch.no_grad():  # the target's lm_head reads the draft's output: make it the target's scale
         draft.norm.weight.copy_(model.model.norm.weight)
+        draft.mask_embedding.copy_(model.get_input_embeddings().weight[3])  # some token's scale
     return draft.eval()
 
 

@@ -29,6 +29,7 @@ the whole block gets accepted).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,10 +58,10 @@ class DFlashTrainConfig(TrainRunConfig):
     block_size: int = 8  # anchor + block_size - 1 drafted tokens
     feature_layers: Optional[list[int]] = None  # HF hidden_states indices; None: five evenly spaced (heads/dflash.py)
     mask_token_id: int = -1  # -1: the lowest target token id that no training row contains
-    draft_vocab_size: int = 8192  # rows of the target's lm_head headstart's decode loop scores (0: all)
-    init_layers_from_target: bool = True  # start the draft layers from the target's last layers (shapes match)
+    draft_vocab_size: int = 8192  # the most frequent target-written tokens the draft scores (0: the whole vocabulary)
+    init_layers_from_target: bool = False  # start the draft layers from the target's last layers (shapes match)
     # training signal
-    anchors_per_row: int = 16  # blocks drawn per row per step
+    anchors_per_row: int = 64  # blocks drawn per row per step
     loss_decay: float = 4.0  # slot j's weight is exp(-(j - 1) / loss_decay)
     soft_labels: bool = True  # cross-entropy against the target's distribution (else its token)
     eval_anchors: int = 64  # held-out anchors per row, evenly spaced over the valid ones
@@ -141,13 +142,15 @@ class BlockDraft(nn.Module):
         super().__init__()
         self.draft = draft
 
-    def forward(self, taps: torch.Tensor, block_embeds: torch.Tensor, positions: torch.Tensor,
+    def forward(self, taps: torch.Tensor, tokens: torch.Tensor, target_embeds: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        """taps [B, T, n*h], block_embeds [B, Q, h], positions [B, Q], mask [B, 1, Q, T + Q] -> [B, Q, h]."""
+        """taps [B, T, n*h], tokens [B, Q] and their target embeddings [B, Q, h], positions [B, Q],
+        mask [B, 1, Q, T + Q] -> [B, Q, h]."""
         B, T, _ = taps.shape
         ctx = self.draft.fuse(taps)
         ctx_positions = torch.arange(T, device=taps.device).expand(B, T)
-        return self.draft(block_embeds, positions, self.draft.context_kv(ctx, ctx_positions), mask)
+        embeds = self.draft.embed_block(tokens, target_embeds)
+        return self.draft(embeds, positions, self.draft.context_kv(ctx, ctx_positions), mask)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -155,40 +158,42 @@ class BlockDraft(nn.Module):
 
 
 @torch.no_grad()
-def prepare_batch(batch: dict, source: FeatureSource, target, cfg: DFlashTrainConfig, mask_token_id: int,
-                  step: int | None, anchors: int) -> dict:
-    """Target-side tensors of one micro-batch (no gradient): the blocks, the slots' weights [B, K, Bk-1] (decay x
-    supervised), and at the N supervised slots the labels [N] and, with soft labels, the target's probs [N, V]."""
+def prepare_batch(batch: dict, source: FeatureSource, target, draft: DFlashDraft, scored: torch.Tensor,
+                  cfg: DFlashTrainConfig, step: int | None, anchors: int) -> dict:
+    """Target-side tensors of one micro-batch (no gradient): the blocks; `draft_labels` [B, K, Bk-1] (indices into
+    the draft vocabulary) and `in_vocab`; the slots' weights [B, K, Bk-1] (decay x supervised x in the draft
+    vocabulary); at the N weighted slots the draft labels [N] and, with soft labels, the target's probs [N, Vd]
+    (its softmax over the draft vocabulary, `scored` = those rows of its lm_head [Vd, h])."""
     taps, final = source.batch(batch)
-    blocks = block_inputs(batch, cfg, mask_token_id, step, anchors)
+    blocks = block_inputs(batch, cfg, draft.config.mask_token_id, step, anchors)
+    draft_labels, in_vocab = draft.to_draft_labels(blocks["labels"])
+    sel = blocks["supervised"] & in_vocab
     Bk = cfg.block_size
     decay = torch.exp(-torch.arange(Bk - 1, device=taps.device, dtype=torch.float32) / cfg.loss_decay)
-    weights = blocks["supervised"].float() * decay
-    sel = blocks["supervised"]
     B = taps.shape[0]
     rows = torch.arange(B, device=taps.device)[:, None, None].expand_as(sel)[sel]
     before = (blocks["label_pos"] - 1)[sel]  # the target's distribution for x_{p+j} comes from its logits at p+j-1
     probs = None
     if cfg.soft_labels:
-        lm_head_weight = target.get_output_embeddings().weight
         states = final[rows, before]  # [N, h]
-        probs = torch.cat([torch.softmax((part @ lm_head_weight.t()).float(), -1) for part in states.split(2048)]) \
-            if states.shape[0] else states.new_zeros(0, lm_head_weight.shape[0]).float()
+        probs = torch.cat([torch.softmax((part @ scored.t()).float(), -1) for part in states.split(2048)]) \
+            if states.shape[0] else states.new_zeros(0, scored.shape[0]).float()
     return {"taps": taps, "embeds": target.get_input_embeddings()(blocks["tokens"]), **blocks,
-            "weights": weights, "target_labels": blocks["labels"][sel], "probs": probs}
+            "draft_labels": draft_labels, "in_vocab": in_vocab, "selected": sel, "weights": sel.float() * decay,
+            "target_labels": draft_labels[sel], "probs": probs}
 
 
-def slot_logits(model, prep: dict, lm_head_weight: torch.Tensor, draft: DFlashDraft) -> torch.Tensor:
-    """The draft's logits [N, V] at the supervised slots."""
-    out = model(prep["taps"], prep["embeds"], prep["positions"], prep["mask"])  # [B, Q, h]
+def slot_outputs(model, prep: dict) -> torch.Tensor:
+    """The draft's outputs [B, K, Bk-1, h] at the drafted slots (slot 0, the anchor, predicts nothing)."""
+    out = model(prep["taps"], prep["tokens"], prep["embeds"], prep["positions"], prep["mask"])  # [B, Q, h]
     B, K, S = prep["supervised"].shape
-    slots = out.view(B, K, S + 1, -1)[:, :, 1:]  # slot 0 (the anchor) predicts nothing
-    return draft.logits(slots[prep["supervised"]], lm_head_weight)
+    return out.view(B, K, S + 1, -1)[:, :, 1:]
 
 
 def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool) -> tuple[torch.Tensor, dict]:
-    """sum over supervised slots of weight * CE / denom (the global weight sum). -> (loss, sums: ce, weight, hits [Bk-1])."""
-    w = prep["weights"][prep["supervised"]]  # [N]
+    """logits [N, Vd] at the weighted slots -> sum of weight * CE / denom (the global weight sum).
+    -> (loss, sums: ce, hits and slots per block slot [Bk-1])."""
+    w = prep["weights"][prep["selected"]]  # [N]
     logp = F.log_softmax(logits.float(), -1)
     if soft:
         ce = -(prep["probs"] * logp).sum(-1)
@@ -196,7 +201,7 @@ def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool
         ce = -logp.gather(-1, prep["target_labels"][:, None]).squeeze(-1)
     loss = (w * ce).sum() / denom.clamp(min=1e-9)
     with torch.no_grad():
-        slot = torch.nonzero(prep["supervised"])[:, 2]  # [N] slot index j - 1
+        slot = torch.nonzero(prep["selected"])[:, 2]  # [N] slot index j - 1
         S = prep["supervised"].shape[-1]
         hits = torch.bincount(slot, weights=(logits.argmax(-1) == prep["target_labels"]).float(), minlength=S)
         counts = torch.bincount(slot, minlength=S).float()
@@ -209,23 +214,21 @@ def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool
 
 @torch.no_grad()
 def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], cfg: DFlashTrainConfig,
-             accelerator: Accelerator, pad_id: int, mask_token_id: int) -> dict:
+             accelerator: Accelerator, pad_id: int, scored: torch.Tensor) -> dict:
     """Per-slot rank histogram of the data token on held-out rows, and the greedy chain's accepted tokens."""
     draft, S, R = model.draft, cfg.block_size - 1, 10
     dev = accelerator.device
-    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10
+    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10, or outside the draft vocabulary
     chain = torch.zeros(2, device=dev)  # accepted drafted tokens, blocks
-    lm_head_weight = target.get_output_embeddings().weight
     mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for r in mine:  # one row at a time: [K * (Bk-1), V] logits
+    for r in mine:  # one row at a time: [K * (Bk-1), Vd] logits
         batch = {k: v.to(dev) for k, v in collate([source.rows[r]], pad_id).items()}
         batch["rows"] = torch.tensor([r])
-        prep = prepare_batch(batch, source, target, cfg, mask_token_id, None, cfg.eval_anchors)
-        out = model(prep["taps"], prep["embeds"], prep["positions"], prep["mask"])[0]  # [Q, h]
-        K = prep["supervised"].shape[1]
-        logits = draft.logits(out.view(K, S + 1, -1)[:, 1:], lm_head_weight).float()  # [K, S, V]
-        truth = logits.gather(-1, prep["labels"][0][..., None])  # [K, S, 1]
-        rank = (logits > truth).sum(-1).clamp(max=R)  # [K, S]
+        prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, soft_labels=False), None,
+                             cfg.eval_anchors)
+        logits = draft.logits(slot_outputs(model, prep)[0], scored).float()  # [K, S, Vd]
+        truth = logits.gather(-1, prep["draft_labels"][0][..., None])  # [K, S, 1]
+        rank = torch.where(prep["in_vocab"][0], (logits > truth).sum(-1), R).clamp(max=R)  # [K, S]
         sup = prep["supervised"][0]
         for j in range(S):
             rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()
@@ -255,8 +258,10 @@ def choose_mask_token(rows: list[dict], vocab_size: int) -> int:
 
 @torch.no_grad()
 def init_from_target(draft: DFlashDraft, target, layers: bool) -> list[str]:
-    """norm <- the target's final norm (the draft's output goes through the target's lm_head); with `layers`, draft
-    layer i <- the target's layer L - num_layers + i wherever names and shapes match. Returns the names set."""
+    """norm <- the target's final norm (the draft's output goes through the target's lm_head); mask_embedding stays
+    zero (the mask slots start from their context alone: the mask token's own row, or the embeddings' mean, through
+    a tied lm_head make every slot guess one token); with `layers`, draft layer i <- the target's layer
+    L - num_layers + i wherever names and shapes match. Returns the names set."""
     draft.norm.weight.copy_(target.get_decoder().norm.weight)
     done = ["norm"]
     if layers:
@@ -320,21 +325,22 @@ def main(argv: list[str] | None = None) -> dict:
     run = start_run(cfg)
     accelerator, target = run.accelerator, run.target
     draft = build_draft(run, cfg)
-    mask_token_id = draft.config.mask_token_id
     all_rows = run.train_rows + run.eval_rows
     source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
     if cfg.build_cache_only:
         end_run(accelerator)
         return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
-    lm_head_weight = target.get_output_embeddings().weight  # frozen: the draft scores through it
+    # the target's frozen lm_head rows the draft scores, sliced once: [Vd, h]
+    scored = draft.draft_lm_head_weight(target.get_output_embeddings().weight).detach()
 
     def step_fn(model, micro: list[dict], step: int) -> dict:
         unwrapped = accelerator.unwrap_model(model).draft
-        preps = [prepare_batch(b, source, target, cfg, mask_token_id, step, cfg.anchors_per_row) for b in micro]
+        preps = [prepare_batch(b, source, target, unwrapped, scored, cfg, step, cfg.anchors_per_row) for b in micro]
         denom = accelerator.reduce(torch.stack([p["weights"].sum() for p in preps]).sum(), "sum")
 
         def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
-            return block_loss(slot_logits(model, prep, lm_head_weight, unwrapped), prep, denom, cfg.soft_labels)
+            logits = unwrapped.logits(slot_outputs(model, prep)[prep["selected"]], scored)  # [N, Vd]
+            return block_loss(logits, prep, denom, cfg.soft_labels)
 
         sums = accumulate(accelerator, model, preps, micro_loss)
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
@@ -347,8 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
     model = accelerator.unwrap_model(trained.model).eval()
     n_train = len(run.train_rows)
     metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
-                       mask_token_id)
-    metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": mask_token_id,
+                       scored)
+    metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": draft.config.mask_token_id,
                     "block_size": cfg.block_size, "feature_source": source.mode})
     return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "slot")
 
