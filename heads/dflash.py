@@ -39,7 +39,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from heads.directory import HeadsModule
+from heads.draft_vocab import DraftVocabHeads
 
 DEFAULT_TAPS = 5  # target layers read by default (z-lab's released drafts read five)
 
@@ -64,8 +64,6 @@ class DFlashConfig:
             raise ValueError(f"num_layers must be >= 1 and block_size >= 2, got {self.num_layers}, {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} must be a target token id in 0..{self.vocab_size - 1}")
-        if not 0 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [0, vocab_size {self.vocab_size}]")
         if not self.feature_layers:
             raise ValueError("feature_layers is empty: the draft needs at least one target layer to read")
 
@@ -151,7 +149,7 @@ class DFlashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DFlashDraft(HeadsModule):
+class DFlashDraft(DraftVocabHeads):
     def __init__(self, config: DFlashConfig):
         super().__init__()
         self.config = config
@@ -163,12 +161,7 @@ class DFlashDraft(HeadsModule):
         self.norm = Qwen3RMSNorm(h, eps=layer_config.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(h))  # the mask token's input embedding (set from the target)
         self.rotary_emb = Qwen3RotaryEmbedding(layer_config)
-        if config.draft_vocab_size:
-            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # draft id -> target id
-            self.register_buffer("target_to_draft", torch.full((config.vocab_size,), -1), persistent=False)
-            self.set_draft_vocab(self.token_map)
-        else:
-            self.token_map = None
+        self.init_draft_vocab()  # token_map (heads/draft_vocab.py)
 
     def embed_block(self, tokens: torch.Tensor, target_embeds: torch.Tensor) -> torch.Tensor:
         """tokens [..., Q] and their target embeddings [..., Q, h] -> the draft's input: mask tokens replaced by
@@ -191,8 +184,8 @@ class DFlashDraft(HeadsModule):
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 context_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor | None = None) -> torch.Tensor:
-        """block_embeds [B, Q, h] (target embeddings of the blocks' tokens), positions [B, Q], context_kv (context_kv()
-        or a decode-time cache), mask bool [B, 1, Q, S + Q] (True = attend; None: all) -> [B, Q, h], before `norm`."""
+        """block_embeds [B, Q, h] (embed_block's: the blocks' tokens), positions [B, Q], context_kv (context_kv() or a
+        decode-time cache), mask bool [B, 1, Q, S + Q] (True = attend; None: all) -> [B, Q, h], before `norm`."""
         cos, sin = self.rope(block_embeds, positions)
         x = block_embeds
         for layer, kv in zip(self.layers, context_kv):
@@ -203,33 +196,3 @@ class DFlashDraft(HeadsModule):
         """out [..., h] -> logits [..., Vd] through `norm` and the rows of the target's lm_head the draft scores
         (`draft_lm_head_weight(lm_head_weight)`, [Vd, h])."""
         return self.norm(out) @ scored_weight.t()
-
-    def draft_lm_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head [V, h] -> the rows the draft scores: [Vd, h] (or all of them)."""
-        return lm_head_weight if self.token_map is None else lm_head_weight[self.token_map]
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Indices into draft_lm_head_weight's rows -> target token ids."""
-        return draft_ids if self.token_map is None else self.token_map[draft_ids]
-
-    def to_draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target ids -> (indices into the logits, in-vocabulary mask); out-of-vocabulary labels become 0."""
-        if self.token_map is None:
-            return labels, torch.ones_like(labels, dtype=torch.bool)
-        draft = self.target_to_draft[labels]
-        return draft.clamp(min=0), draft >= 0
-
-    @torch.no_grad()
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Score only these target ids (draft_vocab_size distinct ones), in increasing order."""
-        ids = torch.unique(target_ids.long()).to(self.token_map.device)
-        if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
-        self.token_map.copy_(ids)
-        self.target_to_draft.fill_(-1)
-        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.token_map is not None:  # the non-persistent inverse map follows the loaded token_map
-            self.set_draft_vocab(self.token_map)

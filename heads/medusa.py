@@ -8,7 +8,7 @@ target's lm_head, or the target's frozen lm_head itself when `share_lm_head` is 
 
 Tensor names match vLLM's MedusaModel loader: `blocks.{k}.layers.{l}.weight/bias`, `lm_heads.{k}.weight`.
 
-With `draft_vocab_size` > 0 the heads score only a draft vocabulary: the `token_map` buffer [Vd] lists its
+With `draft_vocab_size` > 0 the heads score only a draft vocabulary (heads/draft_vocab.py): the `token_map` buffer [Vd] lists its
 target ids (the most frequent target-written tokens of the training data, increasing ids; vLLM calls the same
 tensor `token_map` and the size `truncated_vocab_size`). Logits are then [.., Vd] and index the draft vocabulary;
 `to_target_ids` maps them back. A head's candidates can only be draft-vocabulary tokens, which loses little, and
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.directory import HeadsModule
+from heads.draft_vocab import DraftVocabHeads
 
 
 @dataclass
@@ -60,54 +60,17 @@ class MedusaBlockStack(nn.Module):
         return x
 
 
-class MedusaHeads(HeadsModule):
+class MedusaHeads(DraftVocabHeads):
     def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
-        if not 0 <= config.draft_vocab_size <= config.vocab_size:
-            raise ValueError(f"draft_vocab_size {config.draft_vocab_size} must be in [0, vocab_size {config.vocab_size}]")
         self.blocks = nn.ModuleList(MedusaBlockStack(config.hidden_size, config.num_layers) for _ in range(config.num_heads))
         out_size = config.draft_vocab_size or config.vocab_size
         if config.share_lm_head:
             self.lm_heads = None
         else:
             self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, out_size, bias=False) for _ in range(config.num_heads))
-        if config.draft_vocab_size:
-            self.register_buffer("token_map", torch.arange(config.draft_vocab_size))  # draft id -> target id
-            self.register_buffer("target_to_draft", torch.full((config.vocab_size,), -1), persistent=False)
-            self.set_draft_vocab(self.token_map)
-        else:
-            self.token_map = None
-
-    @torch.no_grad()
-    def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Score only these target ids (draft_vocab_size distinct ones); set before init_lm_heads_from."""
-        ids = torch.unique(target_ids.long()).to(self.token_map.device)  # sorted
-        if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
-        self.token_map.copy_(ids)
-        self.target_to_draft.fill_(-1)
-        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.token_map is not None:  # the non-persistent inverse map follows the loaded token_map
-            self.set_draft_vocab(self.token_map)
-
-    def draft_lm_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head [V, h] -> the rows the shared-lm_head heads score: [Vd, h] (or [V, h])."""
-        return lm_head_weight if self.token_map is None else lm_head_weight[self.token_map]
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Indices into these heads' logits -> target token ids."""
-        return draft_ids if self.token_map is None else self.token_map[draft_ids]
-
-    def to_draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target ids -> (indices into the logits, in-vocabulary mask); out-of-vocabulary labels become 0."""
-        if self.token_map is None:
-            return labels, torch.ones_like(labels, dtype=torch.bool)
-        draft = self.target_to_draft[labels]
-        return draft.clamp(min=0), draft >= 0
+        self.init_draft_vocab()
 
     @torch.no_grad()
     def init_lm_heads_from(self, lm_head_weight: torch.Tensor) -> None:

@@ -32,11 +32,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.cpu_linear import linear_kernel
-from inference.dflash import DFlashProposer
-from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
-from inference.tree import DEFAULT_ACCURACY, DraftInput, best_choices, expected_accept_length, tree_from_choices
+from inference.tree import DEFAULT_ACCURACY, DraftInput, Proposer, best_choices, expected_accept_length, tree_from_choices
 
 TREE_FILE = "tree.json"
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # tree sizes timed; the small ones are the CPU's choices
@@ -317,34 +315,18 @@ def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
     return None
 
 
-def eagle_draft_timer(draft: torch.nn.Module, model: PreTrainedModel,
-                      prefix_len: int) -> Callable[[list[list[int]]], Callable[[], None]]:
-    """draft_for(choices) -> a callable drafting one dynamic tree of that shape after a prefix_len context."""
+def draft_timer(model: PreTrainedModel, feature_layers: list[int], prefix_len: int,
+                proposer_for: Callable[[list[list[int]]], Proposer]) -> Callable[[list[list[int]]], Callable[[], None]]:
+    """For a draft that reads the target's features (EAGLE, DFlash): draft_for(choices) -> a callable drafting one
+    tree of that shape after a prefix_len context, with a fresh proposer_for(choices) that has committed it."""
     vocab = model.get_output_embeddings().weight.shape[0]
     device = next(model.parameters()).device
     context = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     _, hidden, taps = target_forward(model, torch.tensor([context[:-1]], device=device), DynamicCache(),
-                                     feature_layers=draft.config.feature_layers)
+                                     feature_layers=feature_layers)
 
     def draft_for(choices: list[list[int]]) -> Callable[[], None]:
-        proposer = EagleProposer(draft, model, dynamic_config_from_choices(choices))
-        proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context, features=taps))  # commit
-        return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
-
-    return draft_for
-
-
-def dflash_draft_timer(draft: torch.nn.Module, model: PreTrainedModel, prefix_len: int,
-                       project: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[list[list[int]]], Callable[[], None]]:
-    """draft_for(choices) -> a callable drafting one block (the tree's depth scored) after a prefix_len context."""
-    vocab = model.get_output_embeddings().weight.shape[0]
-    device = next(model.parameters()).device
-    context = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
-    _, hidden, taps = target_forward(model, torch.tensor([context[:-1]], device=device), DynamicCache(),
-                                     feature_layers=draft.config.feature_layers)
-
-    def draft_for(choices: list[list[int]]) -> Callable[[], None]:
-        proposer = DFlashProposer(draft, model, tree_from_choices(choices), project)
+        proposer = proposer_for(choices)
         proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context, features=taps))  # commit
         return lambda: proposer(DraftInput(hidden=hidden[-1], root=context[-1], context=context))
 

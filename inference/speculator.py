@@ -19,7 +19,7 @@ from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
-                                 dflash_draft_timer, eagle_draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
+                                 draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
 from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
                              dflash_draft_prior, medusa_draft_prior)
@@ -91,6 +91,12 @@ class Speculator:
         if self.is_dflash:
             return DFlashProposer(self.heads, self.model, self.tree, self.draft_project)
         return MedusaProposer(self.heads, self.tree, self.draft_project)
+
+    def _proposer_for(self, choices: list[list[int]]) -> Proposer:
+        """A fresh proposer of an EAGLE or DFlash draft drafting the tree of these choices (for timing it)."""
+        if self.is_eagle:
+            return EagleProposer(self.heads, self.model, dynamic_config_from_choices(choices))
+        return DFlashProposer(self.heads, self.model, tree_from_choices(choices), self.draft_project)
 
     @classmethod
     def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
@@ -176,8 +182,8 @@ class Speculator:
                   timer: Timer | None = None) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        draft_for = (eagle_draft_timer(self.heads, self.model, prefix_len) if self.is_eagle else
-                     dflash_draft_timer(self.heads, self.model, prefix_len, self.draft_project) if self.is_dflash else None)
+        draft_for = (draft_timer(self.model, self.heads.config.feature_layers, prefix_len, self._proposer_for)
+                     if self.is_eagle or self.is_dflash else None)
         if self.is_eagle and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,

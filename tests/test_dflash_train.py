@@ -15,22 +15,12 @@ from heads.dflash import DFlashDraft, default_feature_layers, dflash_config_for
 from heads.load import load_heads
 from heads.target import load_target
 from conftest import tiny_model
-from test_eagle_train import make_target_dir, train_log, weights, write_greedy_selfdistilled
+from test_eagle_train import llama_dir, sd_dir, train_log, weights  # noqa: F401 (fixtures: a 4-layer target, its rows)
 from train.config import ConfigError, parse_config
 from train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token, main,
                           pick_anchors, valid_anchors)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
-    return make_target_dir(tmp_path_factory.mktemp("llama4"), "llama")
-
-
-@pytest.fixture(scope="module")
-def sd_dir(llama_dir, tmp_path_factory):
-    return write_greedy_selfdistilled(tmp_path_factory.mktemp("sd"), llama_dir)
 
 
 def args(target_dir, data_dir, out, *extra) -> list[str]:
