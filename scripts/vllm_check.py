@@ -184,9 +184,10 @@ def compare(args: argparse.Namespace) -> int:
             # both count the tokens written after the prefill per decode step (vLLM: 1 + accepted / drafts)
             draft_config = json.loads((Path(heads_dir) / "config.json").read_text())
             row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
-                   "norms": {n: draft_config.get(n, False) for n in ("norm_before_fc", "norm_before_residual", "norm_output")},
                    "headstart_decode_forwards": hs["decode_forwards"],
                    "headstart_identical_to_vllm_base": f"{hs_identical}/{len(prompts)}"}
+            if method == "eagle3":
+                row["norms"] = {n: draft_config.get(n, False) for n in ("norm_before_fc", "norm_before_residual", "norm_output")}
             if "error" in run:
                 row["error"] = run["error"]
             else:
