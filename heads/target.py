@@ -6,19 +6,29 @@ slow (docs/measured.md), so the first load writes a safetensors copy under the c
 
 Every target gets a `TargetInfo` with a fingerprint of its weights; heads record it and refuse to
 load on a different target (the dequantised GGUF weights differ from the Hub weights, for example).
+`load_target_without_model(name)` gives the tokenizer, generation config and TargetInfo without building the model
+(for clients of a server that holds the weights): the same fingerprint, read from the safetensors files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers.utils import cached_file
 
 EMBEDDED_ALIAS = "smollm2-135m"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -56,33 +66,132 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return names[dtype]
 
 
-@torch.no_grad()
-def fingerprint(model: PreTrainedModel, samples_per_tensor: int = 4096) -> str:
-    """A short hash of the weights: names, shapes and evenly spaced samples of every tensor.
+SAMPLES_PER_TENSOR = 4096
 
-    Samples are rounded to bfloat16 first, so the same weights held in fp32 or bf16 give the same
-    fingerprint; any retraining, other checkpoint or other quantisation gives another.
-    """
+
+def _sample(flat: torch.Tensor, samples: int = SAMPLES_PER_TENSOR) -> torch.Tensor:
+    """Up to `samples` evenly spaced elements of a flat tensor, as bfloat16 bits (int16, a copy on the CPU)."""
+    step = max(1, flat.numel() // samples)
+    return flat[::step][:samples].to("cpu", torch.bfloat16, copy=True).view(torch.int16)
+
+
+def _digest(named_samples) -> str:
+    """named_samples: (name, shape, _sample of the tensor) in name order -> the fingerprint."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // samples_per_tensor)
-        sample = flat[::step][:samples_per_tensor].to("cpu", torch.bfloat16).view(torch.int16)
-        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+    for name, shape, sample in named_samples:
+        digest.update(f"{name}:{shape}".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
+@torch.no_grad()
+def fingerprint(model: PreTrainedModel) -> str:
+    """A short hash of the weights: names, shapes and evenly spaced samples of every tensor of the state dict.
+
+    Samples are rounded to bfloat16 first, so the same weights held in fp32 or bf16 give the same
+    fingerprint; any retraining, other checkpoint or other quantisation gives another.
+    `checkpoint_fingerprint` computes the same hash from the files, without the model.
+    """
+    return _digest((name, tuple(tensor.shape), _sample(tensor.detach().reshape(-1)))
+                   for name, tensor in sorted(model.state_dict().items()))
+
+
+class NotReadableLazily(ValueError):
+    """checkpoint_fingerprint cannot read this checkpoint without loading the model; the message says why."""
+
+
+@dataclass
+class _Stored:
+    """Where one tensor of a safetensors file lies."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}  # floats that load exactly
+
+
+def _safetensors_tensors(source: Path | str) -> dict[str, _Stored]:
+    """Every tensor of the checkpoint's safetensors files (a local dir or a Hub id: from the Hub cache, downloaded
+    if missing), read from the files' headers: 8 bytes of header length, a JSON header, the data."""
+    index = cached_file(source, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False)
+    if index is not None:
+        names = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+    elif cached_file(source, "model.safetensors", _raise_exceptions_for_missing_entries=False) is not None:
+        names = ["model.safetensors"]
+    else:
+        raise NotReadableLazily("it has no model.safetensors or model.safetensors.index.json")
+    tensors = {}
+    for name in names:
+        file = Path(cached_file(source, name))
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for key, spec in header.items():
+            if key == "__metadata__":
+                continue
+            if spec["dtype"] not in SAFETENSORS_DTYPES:
+                raise NotReadableLazily(f"tensor {key} is stored as {spec['dtype']}")
+            tensors[key] = _Stored(file, SAFETENSORS_DTYPES[spec["dtype"]], tuple(spec["shape"]),
+                                   8 + header_len + spec["data_offsets"][0])
+    return tensors
+
+
+def _stored_sample(stored: _Stored) -> torch.Tensor:
+    """_sample of a stored tensor, reading only the pages that hold the samples (a map of its bytes, closed after)."""
+    if stored.numel == 0:
+        return torch.empty(0, dtype=torch.int16)
+    begin = stored.start - stored.start % mmap.ALLOCATIONGRANULARITY
+    length = stored.start - begin + stored.numel * stored.dtype.itemsize
+    with open(stored.file, "rb") as f, mmap.mmap(f.fileno(), length, offset=begin, access=mmap.ACCESS_READ) as mm:
+        if hasattr(mmap, "MADV_RANDOM"):
+            mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: read the sampled pages, not the whole tensor
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns that the map is read-only: nothing writes to it
+            flat = torch.frombuffer(mm, dtype=stored.dtype, count=stored.numel, offset=stored.start - begin)
+        sample = _sample(flat)
+        del flat  # the map closes only once no tensor views it
+    return sample
+
+
+def checkpoint_fingerprint(source: Path | str, config: PretrainedConfig) -> str:
+    """fingerprint() of the model that from_pretrained(source) builds, from a sample of each tensor in its safetensors
+    files, without building it: the names, shapes and tied weights come from the model built on the meta device (no
+    memory). Raises NotReadableLazily where the model would not hold the stored tensors as they are (quantised or
+    non-float checkpoints, tensors renamed or missing)."""
+    if getattr(config, "quantization_config", None):
+        raise NotReadableLazily("it is quantised")
+    stored = _safetensors_tensors(source)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    state = skeleton.state_dict(keep_vars=True)  # name -> the parameter itself: tied names share one
+    tie_groups: dict[int, list[str]] = {}
+    for name, tensor in state.items():  # in module order: a tie group's first name is the one that loads
+        tie_groups.setdefault(id(tensor), []).append(name)
+    named_samples = []
+    for name in sorted(state):
+        shape = tuple(state[name].shape)
+        found = next((n for n in tie_groups[id(state[name])] if n in stored), None)
+        if found is None or stored[found].shape != shape:
+            raise NotReadableLazily(f"the model's {name} {shape} is not stored under that name and shape")
+        named_samples.append((name, shape, _stored_sample(stored[found])))
+    return _digest(named_samples)
+
+
+def _target_info(name: str, config: PretrainedConfig, fingerprint: str) -> TargetInfo:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return TargetInfo(name=name, model_type=config.model_type, hidden_size=config.hidden_size,
+                      num_hidden_layers=config.num_hidden_layers, vocab_size=config.vocab_size, fingerprint=fingerprint)
+
+
 def target_info(name: str, model: PreTrainedModel) -> TargetInfo:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return TargetInfo(
-        name=name,
-        model_type=config.model_type,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        vocab_size=config.vocab_size,
-        fingerprint=fingerprint(model),
-    )
+    return _target_info(name, model.config, fingerprint(model))
 
 
 def embedded_gguf_path() -> Path:
@@ -150,6 +259,55 @@ def _wait_for(file: Path, timeout_s: float) -> Path:
     return file.parent
 
 
+def target_source(name_or_path: str) -> Path | str:
+    """Where a target's files are: a local model directory (for the embedded alias its cached safetensors copy), a
+    .gguf file (Path), or a Hub id (str). A name that is none of these is a TargetLoadError."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path == EMBEDDED_ALIAS:
+        return embedded_local_dir()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise TargetLoadError(f"GGUF file {path} does not exist")
+        return path
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetLoadError(f"{path} is a directory without config.json; pass a model directory "
+                                  "written by save_pretrained, a .gguf file, a Hub id or 'smollm2-135m'")
+        return path
+    if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise TargetLoadError(
+            f"target {name_or_path!r} is neither an existing model directory, a .gguf file, a Hub id "
+            f"(owner/name) nor the embedded alias {EMBEDDED_ALIAS!r}"
+        )
+    return name_or_path
+
+
+def _is_gguf(source: Path | str) -> bool:
+    return isinstance(source, Path) and source.suffix == ".gguf"
+
+
+@contextlib.contextmanager
+def _hub_errors(source: Path | str):
+    """A Hub id (str source) that cannot be read (no network, no cached copy): a TargetLoadError with the fix."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(source, Path):
+            raise
+        raise TargetLoadError(
+            f"could not load target {source!r} from the Hugging Face Hub, and there is no local copy "
+            f"in the Hub cache ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). Without "
+            f"network, download it elsewhere (`hf download {source} --local-dir DIR`), copy DIR here "
+            f"and pass its path as the target, or use the embedded default {EMBEDDED_ALIAS!r}."
+        ) from err
+
+
+def _with_pad_token(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_target(
     name_or_path: str = EMBEDDED_ALIAS,
     dtype: str | torch.dtype = "float32",
@@ -160,41 +318,45 @@ def load_target(
     Returns (model in eval mode, tokenizer, TargetInfo). The model's parameters do not require grad.
     """
     torch_dtype = resolve_dtype(dtype)
-    path = Path(name_or_path).expanduser()
-    if name_or_path == EMBEDDED_ALIAS:
-        source = embedded_local_dir()
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    elif path.suffix == ".gguf":
-        if not path.is_file():
-            raise TargetLoadError(f"GGUF file {path} does not exist")
-        model, tokenizer = _load_gguf(path, torch_dtype)
-    elif path.is_dir():
-        if not (path / "config.json").is_file():
-            raise TargetLoadError(f"{path} is a directory without config.json; pass a model directory "
-                                  "written by save_pretrained, a .gguf file, a Hub id or 'smollm2-135m'")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    source = target_source(name_or_path)
+    if _is_gguf(source):
+        model, tokenizer = _load_gguf(source, torch_dtype)
     else:
-        if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-            raise TargetLoadError(
-                f"target {name_or_path!r} is neither an existing model directory, a .gguf file, a Hub id "
-                f"(owner/name) nor the embedded alias {EMBEDDED_ALIAS!r}"
-            )
-        try:
-            AutoConfig.from_pretrained(name_or_path)
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
-            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        except OSError as err:
-            raise TargetLoadError(
-                f"could not load target {name_or_path!r} from the Hugging Face Hub, and there is no local copy "
-                f"in the Hub cache ({err.__class__.__name__}: {str(err).splitlines()[0][:200]}). Without "
-                f"network, download it elsewhere (`hf download {name_or_path} --local-dir DIR`), copy DIR here "
-                f"and pass its path as the target, or use the embedded default {EMBEDDED_ALIAS!r}."
-            ) from err
+        with _hub_errors(source):
+            AutoConfig.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+            tokenizer = AutoTokenizer.from_pretrained(source)
     model.to(device)
     model.eval()
     model.requires_grad_(False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer, target_info(name_or_path, model)
+    return model, _with_pad_token(tokenizer), target_info(name_or_path, model)
+
+
+def load_target_without_model(
+    name_or_path: str = EMBEDDED_ALIAS,
+) -> tuple[PreTrainedTokenizerBase, GenerationConfig, TargetInfo]:
+    """What a client of a server holding the target needs, without building the model: (tokenizer, generation config
+    (its stop tokens), TargetInfo with the fingerprint load_target gives, read by checkpoint_fingerprint).
+
+    A checkpoint that cannot be read that way (a .gguf file other than the embedded one, a quantised, .bin-only or
+    renamed checkpoint) is loaded once with load_target, saying so: that costs the model's memory in this process.
+    """
+    source = target_source(name_or_path)
+    try:
+        if _is_gguf(source):
+            raise NotReadableLazily("it is a GGUF file")
+        with _hub_errors(source):
+            config = AutoConfig.from_pretrained(source)
+            info = _target_info(name_or_path, config, checkpoint_fingerprint(source, config))
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            try:  # as from_pretrained sets model.generation_config
+                generation_config = GenerationConfig.from_pretrained(source)
+            except OSError:
+                generation_config = GenerationConfig.from_pretrained(source, config_file_name="config.json",
+                                                                     _from_model_config=True)
+    except NotReadableLazily as why:
+        print(f"loading the target {name_or_path!r} into this process for its fingerprint: it cannot be read from "
+              f"its files alone ({why})", flush=True)
+        model, tokenizer, info = load_target(name_or_path)
+        return tokenizer, model.generation_config, info
+    return _with_pad_token(tokenizer), generation_config, info

@@ -28,6 +28,28 @@ def tiny_model(model_type: str = "llama", vocab_size: int = 128, seed: int = 0, 
     return model.eval()
 
 
+@contextlib.contextmanager
+def no_model_built():
+    """Inside: loading a transformers model (from_pretrained), or building one anywhere but on the meta device (no
+    memory), fails the test."""
+    from unittest import mock
+
+    from transformers import PreTrainedModel
+
+    init = PreTrainedModel.__init__
+
+    def meta_only(self, *args, **kwargs):
+        assert torch.get_default_device().type == "meta", f"{type(self).__name__} built off the meta device"
+        init(self, *args, **kwargs)
+
+    def refuse(cls, *args, **kwargs):
+        raise AssertionError(f"{cls.__name__}.from_pretrained: a model was loaded")
+
+    with mock.patch.object(PreTrainedModel, "__init__", meta_only), \
+            mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(refuse)):
+        yield
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models run faster, and steadier on a shared 2-core machine, on one thread."""

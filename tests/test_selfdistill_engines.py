@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import no_model_built
 from fake_openai import FakeServer, FakeSettings
 from heads.chat import stop_token_ids
 from heads.prompts import PromptRow
@@ -58,6 +59,16 @@ def test_openai_rows_equal_hf_rows_over_two_servers(tiny_target_dir, reference, 
     assert all(s.completions > 2 for s in servers)  # both served (each also answered one probe)
     with pytest.raises(ValueError, match="other settings.*backend"):  # the rows of another backend may differ
         run_selfdistill(tiny_cfg(tiny_target_dir, prompts, out, backend="hf"))
+
+
+def test_openai_client_builds_no_model(tiny_target_dir, reference, fake, tmp_path):
+    prompts, expected = reference
+    server = fake()  # the server loads the target; the client must not
+    with no_model_built():
+        run_selfdistill(tiny_cfg(tiny_target_dir, prompts, tmp_path / "o", backend="openai", server_url=[server.url]))
+    rows, meta = read_rows(tmp_path / "o")
+    assert rows == expected
+    assert meta["target"] == load_target(str(tiny_target_dir))[2].to_dict()  # the fingerprint read from the files
 
 
 def test_openai_loss_mask_is_exact_on_embedded_target(embedded_target, tmp_path):

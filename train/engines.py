@@ -12,9 +12,10 @@ same way for every backend.
   engine. Data parallel = several processes (`accelerate launch --num_processes N`), each its own engine on GPUs
   of its own.
 - `openai`: OpenAI-compatible servers (`vllm serve`, SGLang) at `server_url`: every prompt of a call in flight at
-  once (up to `max_in_flight`), spread over the servers by load, sent as token ids to /v1/completions with
-  `return_token_ids`; a failed request is retried with backoff on the least loaded live server, and a server that
-  fails `max_retries` times in a row is dropped for the run (its prompts go to the others).
+  once (up to `max_in_flight` threads sharing one httpx connection pool, connections kept alive), spread over the
+  servers by load, sent as token ids to /v1/completions with `return_token_ids`; a failed request is retried with
+  backoff on the least loaded live server, and a server that fails `max_retries` times in a row is dropped for the
+  run (its prompts go to the others).
 
 Sampling seeds: one per prompt (train/selfdistill.py gives prompt j of batch k at turn t
 `request_seed(seed + 1000 * k + t, j)`); `hf` draws each prompt's tokens from a generator of its own seed.
@@ -23,16 +24,13 @@ Sampling seeds: one per prompt (train/selfdistill.py gives prompt j of batch k a
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
-import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 from heads.target import EMBEDDED_ALIAS, embedded_local_dir
 from train.packed_decode import PackedDecoder
@@ -132,27 +130,27 @@ class _Retryable(Exception):
     """A failure worth retrying (connection lost, timeout, 5xx, 429)."""
 
 
-def _http_json(url: str, payload: dict | None, timeout: float) -> dict:
-    """GET (payload None) or POST JSON; HTTPError for 4xx, _Retryable for what another try may fix."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _http_json(client: httpx.Client, url: str, payload: dict | None, timeout: float) -> dict:
+    """GET (payload None) or POST JSON; httpx.HTTPStatusError for 4xx, _Retryable for what another try may fix."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as err:
-        if err.code >= 500 or err.code == 429:
-            raise _Retryable(f"HTTP {err.code}") from err
-        raise
-    except (OSError, http.client.HTTPException, ValueError) as err:  # refused/reset/timed out, a cut-off body
+        if payload is None:
+            response = client.get(url, timeout=timeout)
+        else:
+            response = client.post(url, json=payload, timeout=timeout)
+        if response.status_code >= 500 or response.status_code == 429:
+            raise _Retryable(f"HTTP {response.status_code}")
+        response.raise_for_status()
+        return response.json()
+    except (httpx.RequestError, ValueError) as err:  # refused/reset/timed out, a cut-off or non-JSON body
         raise _Retryable(f"{type(err).__name__}: {err}") from err
 
 
-def _http_error_text(err: urllib.error.HTTPError) -> str:
+def _http_error_text(err: httpx.HTTPStatusError) -> str:
     try:
-        body = json.loads(err.read())
+        body = err.response.json()
         return str(body.get("error", {}).get("message") or body.get("message") or body)
     except ValueError:
-        return f"HTTP {err.code}"
+        return f"HTTP {err.response.status_code}"
 
 
 def _names_target(served: dict, target: str) -> bool:
@@ -188,6 +186,9 @@ class OpenAIEngine:
         self.cfg, self.eos_ids = cfg, sorted(eos_ids)
         self.servers = [Server(base_url(url)) for url in cfg.server_url]
         self.lock = threading.Lock()
+        # one connection pool for every thread (httpx.Client is thread-safe): a connection per request in flight
+        self.client = httpx.Client(limits=httpx.Limits(max_connections=cfg.max_in_flight,
+                                                       max_keepalive_connections=cfg.max_in_flight))
         for server in self.servers:
             self._check(server, tokenizer)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.max_in_flight)
@@ -201,19 +202,19 @@ class OpenAIEngine:
     def _check(self, server: Server, tokenizer) -> None:
         try:
             self._check_serves_target(server, tokenizer)
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                raise EngineError(f"{err.filename} answered 404 Not Found: {server.url} is reachable but serves no OpenAI "
-                                  "API there. Pass the server's base URL as --server_url (http://HOST:PORT or "
+        except httpx.HTTPStatusError as err:
+            if err.response.status_code == 404:
+                raise EngineError(f"{err.request.url} answered 404 Not Found: {server.url} is reachable but serves no "
+                                  "OpenAI API there. Pass the server's base URL as --server_url (http://HOST:PORT or "
                                   f"http://HOST:PORT/v1), for a server started with `{SERVE_COMMAND}`") from err
-            raise EngineError(f"cannot use the OpenAI-compatible server at {server.url}: {err.filename} answered HTTP "
-                              f"{err.code} ({_http_error_text(err)})") from err
+            raise EngineError(f"cannot use the OpenAI-compatible server at {server.url}: {err.request.url} answered "
+                              f"HTTP {err.response.status_code} ({_http_error_text(err)})") from err
         except _Retryable as err:
             raise EngineError(f"cannot reach an OpenAI-compatible server at {server.url} ({err}): start one with "
                               f"`{SERVE_COMMAND}`, or fix --server_url") from err
 
     def _check_serves_target(self, server: Server, tokenizer) -> None:
-        listed = _http_json(f"{server.url}/v1/models", None, timeout=30).get("data", [])
+        listed = _http_json(self.client, f"{server.url}/v1/models", None, timeout=30).get("data", [])
         served = next((m for m in listed if _names_target(m, self.cfg.target)), None)
         if served is None:
             raise EngineError(
@@ -238,8 +239,8 @@ class OpenAIEngine:
         """Where the server exposes /tokenize (vLLM, SGLang), its ids for a probe must be the local tokenizer's."""
         payload = {"model": server.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
         try:
-            theirs = _http_json(f"{server.url}/tokenize", payload, timeout=30).get("tokens")
-        except urllib.error.HTTPError:
+            theirs = _http_json(self.client, f"{server.url}/tokenize", payload, timeout=30).get("tokens")
+        except httpx.HTTPStatusError:
             return  # not exposed
         ours = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
         if theirs != ours:
@@ -255,14 +256,16 @@ class OpenAIEngine:
                    "temperature": self.cfg.temperature, "top_p": self.cfg.top_p, "seed": seed,
                    "stop_token_ids": self.eos_ids, "return_token_ids": True, "skip_special_tokens": False}
         try:
-            return _http_json(f"{server.url}/v1/completions", payload, timeout=self.cfg.request_timeout_s)["choices"][0]
-        except urllib.error.HTTPError as err:
+            return _http_json(self.client, f"{server.url}/v1/completions", payload,
+                              timeout=self.cfg.request_timeout_s)["choices"][0]
+        except httpx.HTTPStatusError as err:
             message = _http_error_text(err)
             if "context" in message.lower():
                 raise EngineError(f"{server.url} refused a prompt of {len(prompt)} tokens + {max_tokens} new: "
                                   f"{message.rstrip('.')}. Lower --max_length to the server's context, or restart it with a "
                                   "larger --max-model-len") from err
-            raise EngineError(f"{server.url} refused a request to {err.filename} (HTTP {err.code}): {message}") from err
+            raise EngineError(f"{server.url} refused a request to {err.request.url} (HTTP {err.response.status_code}): "
+                              f"{message}") from err
 
     def _pick(self) -> Server:
         with self.lock:
@@ -307,7 +310,7 @@ class OpenAIEngine:
 
 
 def make_engine(cfg, model, tokenizer, eos_ids: set[int]):
-    """The engine for cfg.backend; `model` is used by hf only."""
+    """The engine for cfg.backend; `model` is used by hf only (None for the others)."""
     if cfg.backend == "hf":
         return HFEngine(model, cfg, eos_ids)
     if cfg.backend == "vllm":

@@ -47,7 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from heads.chat import render_chat, stop_token_ids
 from heads.prompts import PromptRow, load_prompts
-from heads.target import load_target
+from heads.target import load_target, load_target_without_model
 from train.config import ConfigError, parse_config
 from train.data import DataError
 from train.engines import BACKENDS, engine_gpus, make_engine, request_seed
@@ -313,9 +313,12 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     source = load_prompts(cfg.prompts, limit=cfg.num_prompts)
     if not source.rows:
         raise DataError(f"prompt source {cfg.prompts!r} gave no usable rows (skipped: {dict(source.skipped)})")
-    # an engine backend loads the target here too (CPU), for its tokenizer, stop tokens and fingerprint
-    device = (cfg.device or accelerator.device) if cfg.backend == "hf" else "cpu"
-    model, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=device)
+    if cfg.backend == "hf":
+        model, tokenizer, info = load_target(cfg.target, dtype=cfg.dtype, device=cfg.device or accelerator.device)
+        generation_config = model.generation_config
+    else:  # the engine or the servers hold the weights: this process reads the tokenizer, stop tokens and fingerprint
+        model = None
+        tokenizer, generation_config, info = load_target_without_model(cfg.target)
     if cfg.chat_template:
         tokenizer.chat_template = _load_chat_template(cfg.chat_template)
     if not tokenizer.chat_template:
@@ -324,9 +327,9 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
             "conversations. Use the instruct/chat version of the model, or set chat_template in the recipe "
             "(a Jinja string or a path to a .jinja file)."
         )
-    eos_ids = set(stop_token_ids(tokenizer, model.generation_config))
+    eos_ids = set(stop_token_ids(tokenizer, generation_config))
     engine = make_engine(cfg, model, tokenizer, eos_ids)
-    del model  # the hf engine holds it; the others do not need it
+    del model  # the hf engine holds it
 
     # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
     order = sorted(range(len(source.rows)), key=lambda i: (len(source.rows[i].turns[0]), i))
