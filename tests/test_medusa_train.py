@@ -164,9 +164,10 @@ def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path):
 
 
 def test_two_processes_equal_one(tiny_target_dir, sd_dir, tmp_path, launch):
-    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights."""
+    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights; the DDP run's step-4
+    checkpoint, resumed by 1 process, ends there too."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    common = base_args(tiny_target_dir, sd_dir, tmp_path / "x", "--max_steps", "6")
+    common = base_args(tiny_target_dir, sd_dir, tmp_path / "x", "--max_steps", "6", "--checkpoint_every", "2")
 
     def run(launcher: list[str], out: Path, batch: int):
         args = [a for a in common]
@@ -191,6 +192,11 @@ def test_two_processes_equal_one(tiny_target_dir, sd_dir, tmp_path, launch):
     w1, w2 = heads_state(tmp_path / "one"), heads_state(tmp_path / "two")
     for name in w1:
         torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=1e-4)
+    shutil.copytree(tmp_path / "two" / "checkpoints" / "step-4", tmp_path / "resumed" / "checkpoints" / "step-4")
+    main(base_args(tiny_target_dir, sd_dir, tmp_path / "resumed", "--max_steps", "6", "--resume", "true"))
+    resumed = heads_state(tmp_path / "resumed")
+    for name in w1:
+        torch.testing.assert_close(resumed[name], w1[name], atol=1e-5, rtol=1e-4)
 
 
 def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):

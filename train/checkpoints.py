@@ -1,6 +1,11 @@
 """Checkpoints and the heads directory on disk, for train/loop.py: each written to a temporary folder and renamed when
 complete; resuming unpickles no code (docs/safety.md); a full disk is named as such, and the last complete checkpoint
-is kept."""
+is kept.
+
+A checkpoint holds the same files whatever the launcher and the number of processes (plain, DDP or FSDP; DeepSpeed
+aside): the trained tensors gathered whole (train/sharding.py), AdamW's state by parameter name, each process's RNG
+state and trainer_state.json. So a run can resume with another number of processes, at the same global batch.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +18,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from train.cli import CheckpointError
 from train.config import TrainRunConfig
+from train.sharding import full_state, load_full_state
 
 LOW_SPACE_BYTES = 64 << 20  # a failed write with less free space than this on its filesystem: the disk is full
-PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # the torch.save files accelerate's save_state writes
+PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # torch.save files: optimizer.bin, random_states_N.pkl, DeepSpeed's
+LAYOUT = "full-v1"  # trainer_state.json "layout": model.safetensors + optimizer.bin by name + RNG ("deepspeed": its own)
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -40,19 +52,21 @@ def disk_full(err: BaseException, path: Path) -> str | None:
     return None
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig, scheduler) -> None:
-    """accelerate's save_state (model as safetensors, optimizer and RNG states as torch.save files) plus
-    trainer_state.json (step, config, LR scheduler state), written into checkpoints/.step-N.tmp and renamed to step-N
-    when complete; only then are checkpoints beyond keep_checkpoints removed. A full disk is a CheckpointError."""
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig, scheduler, model,
+                    optimizer, global_batch: int) -> None:
+    """The training state (`write_state`) plus trainer_state.json (step, config, LR scheduler state, process count,
+    global batch, layout), written into checkpoints/.step-N.tmp and renamed to step-N when complete; only then are
+    checkpoints beyond keep_checkpoints removed. A full disk is a CheckpointError."""
     root = output_dir / "checkpoints"
     ckpt, tmp = root / f"step-{step}", root / f".step-{step}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted save
     accelerator.wait_for_everyone()
     try:
-        accelerator.save_state(str(tmp))
+        layout = write_state(accelerator, tmp, model, optimizer)
         if accelerator.is_main_process:
-            state = {"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict()}
+            state = {"step": step, "config": asdict(cfg), "scheduler": scheduler.state_dict(), "layout": layout,
+                     "num_processes": accelerator.num_processes, "global_batch": global_batch}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
     except Exception as err:  # torch.save and safetensors raise RuntimeError / their own types
         full = disk_full(err, tmp)
@@ -73,6 +87,23 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
         for path in old[: max(0, len(old) - cfg.keep_checkpoints)]:
             shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def write_state(accelerator: Accelerator, folder: Path, model, optimizer) -> str:
+    """Write the model's trained tensors (model.safetensors), AdamW's full state keyed by parameter name
+    (optimizer.bin) and each process's RNG state (random_states_<process>.pkl); returns the layout. Under DeepSpeed,
+    its engine's own files (accelerate's save_state: one partition per process)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.save_state(str(folder))
+        return "deepspeed"
+    weights = full_state(model, main_only=True)  # every process takes part in the gathers
+    adamw = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    folder.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        save_file({name: t.contiguous() for name, t in weights.items()}, str(folder / "model.safetensors"))
+        torch.save(adamw, folder / "optimizer.bin")
+    save_accelerator_state(str(folder), [], [], [], [], accelerator.process_index, accelerator.step)  # the RNG file
+    return LAYOUT
 
 
 def check_pickles(ckpt: Path) -> None:
@@ -96,19 +127,49 @@ def check_pickles(ckpt: Path) -> None:
                 f"{ckpt} to resume from an older checkpoint, or start without --resume") from err
 
 
-def load_checkpoint(accelerator: Accelerator, ckpt: Path, scheduler) -> int:
-    """Restore what save_checkpoint wrote (weights, optimizer, RNG, LR schedule); returns its step. Nothing is
-    unpickled with code: check_pickles first, then accelerate's loads with weights_only=True (docs/safety.md)."""
+def load_checkpoint(accelerator: Accelerator, ckpt: Path, scheduler, model, optimizer, global_batch: int) -> int:
+    """Restore what save_checkpoint wrote (weights, optimizer, RNG, LR schedule) into the prepared model and optimizer;
+    returns its step. Another number of processes than the checkpoint's is fine at the same global batch (DeepSpeed
+    aside). Nothing is unpickled with code: check_pickles first, then every load with weights_only=True
+    (docs/safety.md)."""
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if "scheduler" not in state or "layout" not in state:
+        raise CheckpointError(f"{ckpt} was written by an older headstart (its files are laid out otherwise). "
+                              "Start without --resume")
+    if state["global_batch"] != global_batch:
+        raise CheckpointError(
+            f"{ckpt} was trained at a global batch of {state['global_batch']} rows per optimizer step "
+            f"({state['num_processes']} process(es)), this run takes {global_batch} ({accelerator.num_processes} "
+            "process(es)): resume with per_device_batch_size x processes x gradient_accumulation_steps = "
+            f"{state['global_batch']}, so that each step sees the rows it would have seen")
+    deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
+    if (state["layout"] == "deepspeed") != deepspeed:
+        raise CheckpointError(f"{ckpt} was written {'under' if state['layout'] == 'deepspeed' else 'without'} "
+                              f"DeepSpeed: resume it {'under DeepSpeed' if state['layout'] == 'deepspeed' else 'without'}")
+    if state["layout"] == "deepspeed" and state["num_processes"] != accelerator.num_processes:
+        raise CheckpointError(f"{ckpt} holds DeepSpeed's partitions for {state['num_processes']} processes: resume it "
+                              f"with {state['num_processes']}")
     rng = ckpt / f"random_states_{accelerator.process_index}.pkl"
-    if not rng.is_file():  # accelerate would go on silently without it: the resumed run would draw other numbers
+    if state["num_processes"] == accelerator.num_processes and not rng.is_file():
+        # accelerate would go on silently without it: the resumed run would draw other numbers
         raise CheckpointError(f"{ckpt} has no {rng.name}: the checkpoint is incomplete; delete it to resume from an "
                               "older one")
     check_pickles(ckpt)
-    state = json.loads((ckpt / "trainer_state.json").read_text())
-    if "scheduler" not in state:
-        raise CheckpointError(f"{ckpt}/trainer_state.json has no scheduler state: written by an older headstart. "
-                              "Start without --resume")
-    accelerator.load_state(str(ckpt), load_kwargs={"weights_only": True})
+    if deepspeed:
+        accelerator.load_state(str(ckpt), load_kwargs={"weights_only": True})
+    else:
+        try:
+            load_full_state(model, load_file(str(ckpt / "model.safetensors")), f"{ckpt}/model.safetensors")
+        except ValueError as err:  # another method's or shape's checkpoint in this output_dir
+            raise CheckpointError(f"{err}: resume with the config that wrote it, or start without --resume") from err
+        adamw = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(model, optimizer, adamw, options=StateDictOptions(full_state_dict=True))
+        if rng.is_file():  # with more processes than the checkpoint's, the new ones keep their seeded streams
+            load_accelerator_state(str(ckpt), [], [], [], [], accelerator.process_index,
+                                   load_kwargs={"weights_only": True})
+    if state["num_processes"] != accelerator.num_processes:
+        accelerator.print(f"{ckpt} was written by {state['num_processes']} process(es), resumed by "
+                          f"{accelerator.num_processes}: same rows per step; only random draws (dropout) differ")
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
 

@@ -45,6 +45,7 @@ from train.config import ConfigError, TrainRunConfig, check_run_config, parse_co
 from train.data import collate, supervised_token_counts
 from train.features import FeatureSource, open_feature_source
 from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.sharding import plain_model
 
 
 @dataclass
@@ -353,7 +354,9 @@ def main(argv: list[str] | None = None) -> dict:
     trained = train(run, BlockDraft(draft), [{"params": list(draft.parameters())}], step_fn)
     if not trained.finished:
         return {"step": trained.step}
-    model = accelerator.unwrap_model(trained.model).eval()
+    # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors
+    model = plain_model(accelerator, trained.model, lambda: BlockDraft(DFlashDraft(draft.config)).to(accelerator.device))
+    model.eval()
     n_train = len(run.train_rows)
     metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
                        scored)

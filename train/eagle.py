@@ -56,6 +56,7 @@ from train.data import collate, shifted_labels, supervised_token_counts
 from train.eagle_unroll import UnrolledDraft
 from train.features import FeatureSource, open_feature_source
 from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.sharding import plain_model
 
 
 @dataclass
@@ -385,7 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
                     betas=(cfg.adam_beta1, cfg.adam_beta2))
     if not trained.finished:
         return {"step": trained.step}
-    model = accelerator.unwrap_model(trained.model).eval()
+    # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors
+    model = plain_model(accelerator, trained.model, lambda: UnrolledDraft(EagleDraft(draft.config)).to(accelerator.device))
+    model.eval()
     n_train = len(run.train_rows)
     metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id)
     metrics.update({"feature_layers": layers, "draft_vocab_size": draft.config.draft_vocab_size, "ttt_steps": S,

@@ -9,8 +9,9 @@ what is its method's own: its model and parameter groups, one optimizer step's l
 
 Each optimizer step takes gradient_accumulation_steps global batches drawn from one seeded permutation per epoch
 (train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
-(accelerate save_state / load_state: weights, optimizer, RNG; the LR schedule in trainer_state.json) sees those of the
-uninterrupted run. Checkpoints and the heads directory are written by train/checkpoints.py.
+(weights, optimizer, RNG; the LR schedule in trainer_state.json), with any number of processes at the same global
+batch, sees those of the uninterrupted run. Checkpoints and the heads directory are written by train/checkpoints.py;
+under FSDP (train/sharding.py) both hold the gathered tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -38,6 +39,7 @@ from heads.target import load_target
 from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
 from train.config import ConfigError, TrainRunConfig, build_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
+from train.sharding import count_deepspeed_processes_on_cpu, describe_sharding, enable_fsdp_on_cpu, use_cpu_flag
 
 # ----------------------------------------------------------------------------------------------------
 # data, accelerator, frozen target; the log
@@ -98,6 +100,7 @@ class Run:
     cfg: TrainRunConfig
     accelerator: Accelerator
     output_dir: Path
+    dtype: str  # the target's
     target: Any  # frozen (Medusa-2 wraps it with LoRA afterwards)
     info: Any  # heads.target.TargetInfo
     pad_id: int
@@ -113,12 +116,14 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
     output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
+        cpu=use_cpu_flag(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
         mixed_precision="bf16" if cuda_bf16 or dtype in ("bfloat16", "bf16") else "no",  # fp32 heads, bf16 target
         log_with=None if cfg.report_to == "none" else cfg.report_to,
         project_dir=str(output_dir),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)],
     )
+    enable_fsdp_on_cpu(accelerator)  # an FSDP launch on a CPU machine shards for real (train/sharding.py)
+    count_deepspeed_processes_on_cpu(accelerator)
     set_seed(cfg.seed)
     output_dir.mkdir(parents=True, exist_ok=True)
     target, tokenizer, info = load_target(cfg.target, dtype, accelerator.device)
@@ -126,7 +131,7 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_rows, eval_rows, stats = prepare_rows(dataset, meta, info, cfg)
     accelerator.print(f"target {info.name} ({info.fingerprint}); {stats}")
-    return Run(cfg, accelerator, output_dir, target, info, pad_id, train_rows, eval_rows, stats)
+    return Run(cfg, accelerator, output_dir, dtype, target, info, pad_id, train_rows, eval_rows, stats)
 
 
 def wandb_init_kwargs(output_dir: Path) -> dict:
@@ -212,7 +217,10 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
     optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
                                   fused=accelerator.device.type in ("cpu", "cuda"))
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:  # no dataloader is prepared to tell it
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_batch_size
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler, stepped by us, is saved as JSON
+    log(describe_sharding(accelerator, model))
 
     def epoch_loader(epoch: int) -> DataLoader:
         order = torch.randperm(len(run.train_rows), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
@@ -227,7 +235,8 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         if ckpt is None:
             log(f"--resume: no checkpoint in {run.output_dir}/checkpoints, starting from step 0")
         else:
-            step = load_checkpoint(accelerator, ckpt, scheduler)  # weights (buffers too), optimizer, scheduler, RNG
+            # weights (buffers too), optimizer, scheduler, RNG; written by any number of processes
+            step = load_checkpoint(accelerator, ckpt, scheduler, model, optimizer, global_batch * accum)
             log(f"resumed from {ckpt} (step {step})")
     if cfg.report_to != "none":
         hparams = {k: ("" if v is None else str(v) if isinstance(v, list) else v) for k, v in asdict(cfg).items()}
@@ -265,7 +274,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
                                  **{f"{k}/{i + 1}": x for k, v in record.items() if isinstance(v, list) for i, x in enumerate(v)}},
                                 step=step)
             if cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0:
-                save_checkpoint(accelerator, run.output_dir, step, cfg, scheduler)
+                save_checkpoint(accelerator, run.output_dir, step, cfg, scheduler, model, optimizer, global_batch * accum)
             if step >= stop_at:
                 break
     bar.close()

@@ -46,11 +46,13 @@ from heads.directory import ADAPTER_DIR
 from heads.eagle import most_frequent_tokens
 from heads.load import load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.target import load_target
 from train.cli import run_main
 from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
 from train.data import collate, shifted_labels, supervised_token_counts
 from train.features import final_hidden, open_feature_source
 from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.sharding import plain_model
 
 
 @dataclass
@@ -103,21 +105,28 @@ def check_config(cfg: MedusaTrainConfig) -> None:
 
 
 class Medusa2Model(nn.Module):
-    """LoRA-wrapped target + heads as one module, so DDP/FSDP/DeepSpeed see every trained weight."""
+    """LoRA-wrapped target + heads as one module, so DDP/FSDP/DeepSpeed see every trained weight. Every use of the
+    target goes through forward (FSDP gathers a unit's weights there); FSDP makes each of the target's decoder layers
+    a unit of its own (transformers' `_no_split_modules`), the rest (embeddings, final norm, lm_head, heads) one more."""
 
     def __init__(self, target, heads: MedusaHeads):
         super().__init__()
         self.target = target
         self.heads = heads
+        self._no_split_modules = target._no_split_modules  # read by accelerate's TRANSFORMER_BASED_WRAP
 
-    def forward(self, input_ids, attention_mask, select, lm_head_weight=None, tune_target=True):
-        """-> target logits [N0, V] at `select[0]` positions, head logits [K, N, V] at `select[1]` positions."""
+    def forward(self, input_ids, attention_mask, select, tune_target=True):
+        """-> target logits [N0, V] at `select[0]` positions, head logits [K, 1, N, V] at `select[1]` positions (None
+        when select[1] is None: the target alone, e.g. the original one under `target.disable_adapter()`). No output
+        is a view of another tensor: FSDP2 hooks its backward on the outputs."""
         out = self.target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        if select[1] is None:
+            return out.logits[select[0]], None
         hidden = out.hidden_states[-1]  # [B, T, h], after the final norm
         if not tune_target:
             hidden = hidden.detach()
-        head_logits = self.heads(hidden[select[1]][None], lm_head_weight)[:, 0]
-        return out.logits[select[0]], head_logits
+        shared = self.target.get_output_embeddings().weight if self.heads.config.share_lm_head else None  # frozen
+        return out.logits[select[0]], self.heads(hidden[select[1]][None], shared)
 
 
 def head_targets(batch: dict, num_heads: int, supervise_prompt: bool = False
@@ -268,6 +277,15 @@ heads, model, tokenizer, info = load_heads_and_target("THIS_DIR_OR_REPO")
 # ----------------------------------------------------------------------------------------------------
 
 
+def with_lora(target, cfg: MedusaTrainConfig):
+    """Medusa-2: the target with cfg's LoRA adapter (peft), only the adapter trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=[m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()])
+    return get_peft_model(target, lora)
+
+
 def build_heads(run: Run, cfg: MedusaTrainConfig, lm_head_weight: torch.Tensor) -> MedusaHeads:
     """New heads (lm_heads from the target's, draft vocabulary = the most frequent target-written tokens), or the
     heads of `init_heads_from` (their draft vocabulary kept); the draft vocabulary's coverage goes into run.stats."""
@@ -320,11 +338,7 @@ def main(argv: list[str] | None = None) -> dict:
         lm_head_lr = cfg.lm_head_learning_rate if cfg.lm_head_learning_rate is not None else cfg.learning_rate
         groups.append({"params": list(heads.lm_heads.parameters()), "lr": lm_head_lr})
     if medusa2:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=[m.strip() for m in cfg.lora_target_modules.split(",") if m.strip()])
-        target = get_peft_model(target, lora)
+        target = with_lora(target, cfg)
         target.train()
         groups.append({"params": [p for p in target.parameters() if p.requires_grad], "lr": cfg.target_learning_rate})
 
@@ -358,12 +372,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                      loss_counts, cfg.head_decay, soft)
                 return loss, {"ce": ce} if soft_ce is None else {"ce": ce, "soft_ce": soft_ce}
             valid0 = shifted_labels(batch["input_ids"], batch["loss_mask"], 1)[1]
-            tuned0, head_logits = model(batch["input_ids"], batch["attention_mask"], (valid0, union), shared, tune_target)
-            loss, ce, _ = weighted_head_ce(head_logits, labels, valid, counts[1:], cfg.head_decay)
+            if tune_target:  # the original target's logits: the same module, its adapter off
+                with torch.no_grad(), accelerator.unwrap_model(model).target.disable_adapter():
+                    orig0, _ = model(batch["input_ids"], batch["attention_mask"], (valid0, None))
+            tuned0, head_logits = model(batch["input_ids"], batch["attention_mask"], (valid0, union), tune_target)
+            loss, ce, _ = weighted_head_ce(head_logits[:, 0], labels, valid, counts[1:], cfg.head_decay)
             if not tune_target:
                 return loss, {"ce": ce}
-            with torch.no_grad(), accelerator.unwrap_model(model).target.disable_adapter():
-                orig0 = target(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[valid0]
             kl = kl_original_tuned(orig0, tuned0) / counts[0].clamp(min=1)
             return kl + cfg.medusa2_heads_weight * loss, {"ce": ce, "kl": kl.detach()}
 
@@ -384,11 +399,18 @@ def main(argv: list[str] | None = None) -> dict:
     trained = train(run, Medusa2Model(target, heads) if medusa2 else heads, groups, step_fn)
     if not trained.finished:
         return {"step": trained.step}
-    unwrapped = accelerator.unwrap_model(trained.model)
-    heads = unwrapped.heads if medusa2 else unwrapped
-    heads.eval()
+
+    def rebuild() -> nn.Module:  # under FSDP or DeepSpeed: an unsharded copy (Medusa-2: the target again)
+        fresh = MedusaHeads(heads.config).to(accelerator.device)
+        if not medusa2:
+            return fresh
+        base = load_target(cfg.target, run.dtype, accelerator.device)[0].requires_grad_(False)
+        return Medusa2Model(with_lora(base, cfg), fresh)
+
+    trained_model = plain_model(accelerator, trained.model, rebuild).eval()
+    heads = trained_model.heads if medusa2 else trained_model
     if medusa2:
-        target = unwrapped.target.eval()
+        target = trained_model.target
     metrics = evaluate(target, heads, run.eval_rows, cfg, accelerator, run.pad_id,
                        original=target.disable_adapter if medusa2 else None)
 
