@@ -21,10 +21,10 @@ from heads.load import load_heads
 from heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
 from train.config import ConfigError, parse_config
-from train.data import supervised_token_counts
+from train.data import DataError, supervised_token_counts
 from train.eagle import EagleTrainConfig, check_config, draft_loss, init_from_target, main, prepare_batch, step_valid
 from train.eagle_unroll import unroll
-from train.features import FeatureSource, target_features
+from train.features import FeatureSource, cache_bytes, target_features
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -314,6 +314,26 @@ def test_offline_feature_cache(llama_dir, sd_dir, tmp_path, capsys, one_thread):
     assert all(torch.equal(memory[n], disk[n]) for n in disk)
     with pytest.raises(ConfigError, match="feature_layers"):  # a cache written for other taps is refused
         main(args(llama_dir, sd_dir, tmp_path / "y", "eagle3", *common, *with_cache, "--feature_layers", "0", "2", "4"))
+
+
+def test_cache_bytes():
+    """Tokens x (final state + n taps) x hidden x bytes; taps that are the final state itself are not stored twice."""
+    assert cache_bytes(2048, 4096, [32], 32, torch.float32) == 2048 * 4096 * 4  # Medusa / EAGLE-1: the final state
+    assert cache_bytes(2048, 4096, [2, 16, 29], 32, torch.bfloat16) == 2048 * 4 * 4096 * 2  # EAGLE-3: 3 taps + final
+    assert cache_bytes(10, 8, [1, 2, 3, 4, 5], 6, torch.float16) == 10 * 6 * 8 * 2  # DFlash: 5 taps + final
+    assert cache_bytes(10, 8, [6], 8, torch.float32) == 10 * 2 * 8 * 4  # one tap below the last layer: tap + final
+
+
+def test_feature_cache_refused_when_the_disk_is_too_small(llama_dir, sd_dir, tmp_path, monkeypatch):
+    import shutil as real_shutil
+    from train import features
+
+    free = real_shutil._ntuple_diskusage(total=10**9, used=10**9 - 1000, free=1000)
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: free)
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=r"GiB more; .* has 0.00 GiB free: free space.*feature_cache_dtype"):
+        main(args(llama_dir, sd_dir, tmp_path / "x", "eagle3", "--feature_cache_dir", cache, "--build_cache_only", "true"))
+    assert not list(cache.glob("shard-*"))
 
 
 def test_every_eagle_recipe_parses():

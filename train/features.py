@@ -138,6 +138,15 @@ def cache_identity(rows: list[dict], info, feature_layers: list[int], dtype: tor
             "shard_rows": shard_rows}
 
 
+def cache_bytes(tokens: int, hidden_size: int, feature_layers: list[int], num_hidden_layers: int,
+                dtype: torch.dtype) -> int:
+    """Bytes of the on-disk cache's states for `tokens` tokens (the few offset bytes per row aside): every token stores
+    the final state [h] and, unless the taps are the final state itself (feature_layers [L]: Medusa, EAGLE-1), its
+    n taps [n*h] (EAGLE-3, DFlash). The number of layers only decides that; the size is tokens x (1 + n) x h x bytes."""
+    stored_taps = 0 if feature_layers == [num_hidden_layers] else len(feature_layers)
+    return tokens * (1 + stored_taps) * hidden_size * dtype.itemsize
+
+
 def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, accelerator: Accelerator) -> None:
     """Write the missing shards (each process writes every N-th shard); reuse the ones already written."""
     cache_dir = source.cache_dir
@@ -148,18 +157,21 @@ def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, acce
             diff = sorted(k for k in identity if written_for.get(k) != identity[k])
             raise ConfigError(f"the feature cache in {cache_dir} was written for other rows, target or settings "
                               f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
-    per_token = hidden + (0 if source.taps_are_final else len(source.layers) * hidden)  # the final state, the taps
-    size = identity["tokens"] * per_token * torch.finfo(source.cache_dtype).bits // 8
+    num_layers = source.target.config.get_text_config().num_hidden_layers
+    size = cache_bytes(identity["tokens"], hidden, source.layers, num_layers, source.cache_dtype)
     missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
     accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
-                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({source.num_shards} shards, {len(missing)} to write)")
+                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({size / identity['rows'] / 2**20:.2f} MiB per row; "
+                      f"{source.num_shards} shards, {len(missing)} to write)")
     if not missing:
         return
     if accelerator.is_main_process:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(cache_dir).free
-        if size * len(missing) / source.num_shards > free:
-            raise DataError(f"the feature cache needs about {size / 2**30:.2f} GiB; {cache_dir} has {free / 2**30:.2f} GiB free")
+        free, needed = shutil.disk_usage(cache_dir).free, size * len(missing) / source.num_shards
+        if needed > free:
+            raise DataError(f"the feature cache needs {needed / 2**30:.2f} GiB more; {cache_dir} has {free / 2**30:.2f} GiB "
+                            f"free: free space, point feature_cache_dir at a larger disk, store bfloat16 "
+                            f"(feature_cache_dtype, half of float32), or compute features online (no feature_cache_dir)")
         meta_file.write_text(json.dumps({"identity": identity, "bytes_estimate": size}, indent=2))
     accelerator.wait_for_everyone()
     mine = missing[accelerator.process_index :: accelerator.num_processes]
