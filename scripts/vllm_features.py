@@ -32,7 +32,7 @@ from train.feature_shards import read_rows, rows_sha256, shard_path, write_shard
 CAPTURE = "_headstart_features"  # the decoder's attribute that holds the captured forwards
 
 
-# ------------------------------------------------------------------------ inside vLLM's worker (apply_model)
+# ------------------------------------------------------------------- inside vLLM's workers (collective_rpc)
 
 
 def decoder_of(model):
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--gpu_memory_utilization", type=float, default=0.3)
     parser.add_argument("--max_num_batched_tokens", type=int, default=16384, help="tokens per forward (>= longest row)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends the hooks to the workers,
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the hooks travel to the workers pickled,
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # which import
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     check_request(meta, rows, llm.llm_engine.model_config.hf_config)
     layers, num_layers = identity["feature_layers"], request["num_hidden_layers"]
     taps = [j for j in layers if j < num_layers]
-    llm.apply_model(lambda model: install_hooks(model, taps))
+    # collective_rpc sends a callable cloudpickled (by value: these functions live in __main__); apply_model's
+    # argument goes to the workers by plain pickle, which cannot carry them
+    llm.collective_rpc(lambda worker: install_hooks(worker.get_model(), taps))
     S = identity["shard_rows"]
     shards = range((len(rows) + S - 1) // S)
     todo = [k for k in shards if not shard_path(cache_dir, k).is_file()]
@@ -179,8 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in shard_rows],
                      SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         path = str(shard_path(cache_dir, k))
-        llm.apply_model(lambda model: write_captured_shard(model, path, shard_rows, layers, num_layers,
-                                                           request["taps_are_final"], identity["dtype"]))
+        llm.collective_rpc(lambda worker: write_captured_shard(worker.get_model(), path, shard_rows, layers, num_layers,
+                                                               request["taps_are_final"], identity["dtype"]))
         print(f"shard {k} written", flush=True)
 
 
