@@ -21,10 +21,10 @@ from heads.load import load_heads
 from heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
 from train.config import ConfigError, parse_config
-from train.data import supervised_token_counts
+from train.data import DataError, supervised_token_counts
 from train.eagle import EagleTrainConfig, check_config, draft_loss, init_from_target, main, prepare_batch, step_valid
 from train.eagle_unroll import unroll
-from train.features import FeatureSource, target_features
+from train.features import FeatureSource, cache_bytes, target_features
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -314,6 +314,104 @@ def test_offline_feature_cache(llama_dir, sd_dir, tmp_path, capsys, one_thread):
     assert all(torch.equal(memory[n], disk[n]) for n in disk)
     with pytest.raises(ConfigError, match="feature_layers"):  # a cache written for other taps is refused
         main(args(llama_dir, sd_dir, tmp_path / "y", "eagle3", *common, *with_cache, "--feature_layers", "0", "2", "4"))
+
+
+def test_cache_bytes():
+    """Tokens x (final state + n taps) x hidden x bytes; taps that are the final state itself are not stored twice."""
+    assert cache_bytes(2048, 4096, [32], 32, torch.float32) == 2048 * 4096 * 4  # Medusa / EAGLE-1: the final state
+    assert cache_bytes(2048, 4096, [2, 16, 29], 32, torch.bfloat16) == 2048 * 4 * 4096 * 2  # EAGLE-3: 3 taps + final
+    assert cache_bytes(10, 8, [1, 2, 3, 4, 5], 6, torch.float16) == 10 * 6 * 8 * 2  # DFlash: 5 taps + final
+    assert cache_bytes(10, 8, [6], 8, torch.float32) == 10 * 2 * 8 * 4  # one tap below the last layer: tap + final
+
+
+def test_cache_size_table_in_the_docs():
+    """docs/training.md's worked example (rows of 2,048 tokens, 100k rows) is what cache_bytes gives."""
+    lines = [line for line in (REPO / "docs" / "training.md").read_text().splitlines()
+             if line.startswith(("| 7B", "| 70B"))]
+    assert len(lines) == 4
+    for line in lines:
+        target, what, *sizes = [cell.strip() for cell in line.strip("|").split("|")]
+        hidden, layers = (4096, 32) if target.startswith("7B") else (8192, 80)
+        taps = [layers] if what.startswith("Medusa") else [2, layers // 2, layers - 3]
+        row = [cache_bytes(2048, hidden, taps, layers, dtype) for dtype in (torch.float32, torch.bfloat16)]
+        expected = [f"{b / 2**20:.0f} MiB" for b in row] + [f"{b * 100_000 / 2**40:.2f} TiB" for b in row]
+        assert sizes == expected, line
+
+
+def test_feature_cache_refused_when_the_disk_is_too_small(llama_dir, sd_dir, tmp_path, monkeypatch):
+    import shutil as real_shutil
+    from train import features
+
+    free = real_shutil._ntuple_diskusage(total=10**9, used=10**9 - 1000, free=1000)
+    monkeypatch.setattr(features.shutil, "disk_usage", lambda path: free)
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=r"GiB more; .* has 0.00 GiB free: free space.*feature_cache_dtype"):
+        main(args(llama_dir, sd_dir, tmp_path / "x", "eagle3", "--feature_cache_dir", cache, "--build_cache_only", "true"))
+    assert not list(cache.glob("shard-*"))
+
+
+def load_vllm_features_script():
+    """scripts/vllm_features.py without vLLM: its row finding and shard writing run on fake captured forwards."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_features", REPO / "scripts" / "vllm_features.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_feature_cache_written_from_vllm_states(llama_dir, sd_dir, tmp_path, capsys, one_thread):
+    """feature_cache_writer vllm: headstart writes the request (rows' ids, identity), no shard; training refuses to
+    start until the shards are there. The script's writer, fed forwards shaped like vLLM's captures (several rows per
+    forward in any order, padding after them, vLLM's aux states = HF hidden_states[j]), writes the same shards as
+    headstart, and training reads them without running the target."""
+    from safetensors.torch import load_file
+    from train.feature_shards import read_rows, shard_path
+
+    script = load_vllm_features_script()
+    common = ["--max_steps", "2", "--feature_cache_shard_rows", "5"]
+    hf_cache, vllm_cache = tmp_path / "hf", tmp_path / "vllm"
+    main(args(llama_dir, sd_dir, tmp_path / "a", "eagle3", *common, "--feature_cache_dir", hf_cache))
+    request = [*common, "--feature_cache_dir", vllm_cache, "--feature_cache_writer", "vllm"]
+    main(args(llama_dir, sd_dir, tmp_path / "b", "eagle3", *request, "--build_cache_only", "true"))
+    assert f"python scripts/vllm_features.py --cache_dir {vllm_cache}" in capsys.readouterr().out
+    meta = json.loads((vllm_cache / "cache.json").read_text())
+    assert meta["identity"] == json.loads((hf_cache / "cache.json").read_text())["identity"]
+    assert meta["vllm_request"] == {"target": str(llama_dir), "target_dtype": "float32", "hidden_size": 64,
+                                    "num_hidden_layers": 4, "taps_are_final": False}
+    assert not list(vllm_cache.glob("shard-*"))
+    with pytest.raises(ConfigError, match="4 of its 4 shards are missing: run `python scripts/vllm_features.py"):
+        main(args(llama_dir, sd_dir, tmp_path / "c", "eagle3", *request))
+
+    rows = read_rows(vllm_cache)  # 16 rows: 12 training, 4 held out (copies of rows 0-3)
+    model, _, _ = load_target(str(llama_dir))
+    layers, S = meta["identity"]["feature_layers"], meta["identity"]["shard_rows"]
+    for k in range(4):
+        shard = rows[k * S : (k + 1) * S]
+        forwards = []
+        for group in filter(None, (shard[::-1][:3], shard[::-1][3:])):  # vLLM batches rows as it likes
+            ids = torch.tensor([t for row in group for t in row] + group[0][:3])  # padding: a row's start, not a row
+            positions = torch.tensor([p for row in group for p in range(len(row))] + [0, 1, 2])
+            with torch.no_grad():  # each row attends to itself alone, as in vLLM's packed forward
+                states = [model.model(torch.tensor([row]), output_hidden_states=True).hidden_states for row in group]
+            padding = torch.randn(3, 64)
+            forwards.append({"input_ids": ids, "positions": positions,
+                             "taps": {j: torch.cat([h[j][0] for h in states] + [padding]) for j in range(4)},
+                             "final": torch.cat([h[4][0] for h in states] + [padding])})
+        per_row = script.rows_from_forwards(forwards, shard, layers, 4, taps_are_final=False)
+        script.write_shard(shard_path(vllm_cache, k), per_row, torch.float32)
+        vllm_shard, hf_shard = load_file(shard_path(vllm_cache, k)), load_file(shard_path(hf_cache, k))
+        assert vllm_shard.keys() == hf_shard.keys() == {"final", "taps", "offsets"}
+        for name in hf_shard:
+            torch.testing.assert_close(vllm_shard[name], hf_shard[name], atol=1e-5, rtol=1e-5)
+    main(args(llama_dir, sd_dir, tmp_path / "d", "eagle3", *request))
+    assert "0 to write" in capsys.readouterr().out
+    a, d = weights(tmp_path / "a"), weights(tmp_path / "d")
+    for name in a:
+        torch.testing.assert_close(d[name], a[name], atol=1e-5, rtol=1e-4)
+    with pytest.raises(RuntimeError, match=r"rows \[0\] were in no forward"):  # a row cut in two is not taken
+        cut = {"input_ids": torch.tensor(rows[0][:4]), "positions": torch.arange(4), "taps": {}, "final": None}
+        script.rows_from_forwards([cut], rows[:1], layers, 4, taps_are_final=False)
 
 
 def test_every_eagle_recipe_parses():

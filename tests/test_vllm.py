@@ -101,3 +101,33 @@ def test_trained_heads_acceptance_matches_headstart(tmp_path):
         assert "error" not in r, r.get("error")
         assert r["identical_to_vllm_without_draft"] == "8/8", r
         assert abs(r["relative_difference"]) <= 0.05, r
+
+
+def test_feature_cache_from_vllm_matches_headstart(embedded_target, tmp_path):
+    """scripts/vllm_features.py fills the cache that headstart's request describes with vLLM's states (vLLM's own
+    process layout, several rows per forward, a repeated row); in fp32 they are headstart's features to rounding."""
+    from accelerate import Accelerator
+    from safetensors.torch import load_file
+
+    from train.feature_shards import shard_path
+    from train.features import FeatureSource, build_feature_cache, cache_identity
+
+    model, tokenizer, info = embedded_target
+    texts = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",
+             "Paris is the capital of", "The quick brown fox jumps over the lazy dog."]
+    rows = [{"input_ids": tokenizer(text).input_ids} for text in texts]
+    layers = [2, 15, 27]
+    source = FeatureSource(model, rows, layers, "disk", tmp_path, torch.float32, shard_rows=3)
+    identity = cache_identity(rows, info, layers, torch.float32, 3)
+    build_feature_cache(source, identity, info.hidden_size, Accelerator(cpu=True), "vllm", request_only=True)
+    proc = subprocess.run([PYTHON, "scripts/vllm_features.py", "--cache_dir", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for k in range(2):
+        shard = load_file(shard_path(tmp_path, k))
+        offsets = shard["offsets"].tolist()
+        for j, r in enumerate(range(3 * k, min(3 * k + 3, len(rows)))):
+            taps, final = source.compute(r)
+            a, b = offsets[j], offsets[j + 1]
+            torch.testing.assert_close(shard["final"][a:b], final, atol=1e-3, rtol=1e-5)
+            torch.testing.assert_close(shard["taps"][a:b], taps, atol=1e-2, rtol=1e-5)  # taps reach 2.5e4

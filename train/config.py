@@ -51,6 +51,7 @@ class TrainRunConfig:
     feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
     feature_cache_dtype: str = "auto"  # auto = the target's dtype (exactly what online training sees)
     feature_cache_shard_rows: int = 64  # rows per cache file
+    feature_cache_writer: str = "target"  # target: headstart runs the target; vllm: scripts/vllm_features.py writes it
     build_cache_only: bool = False  # write feature_cache_dir, then stop
     # optimisation
     per_device_batch_size: int = 4
@@ -93,6 +94,10 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
         raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
     if cfg.build_cache_only and not cfg.feature_cache_dir:
         raise ConfigError("build_cache_only needs feature_cache_dir")
+    if cfg.feature_cache_writer not in ("target", "vllm"):
+        raise ConfigError(f"feature_cache_writer must be target or vllm, got {cfg.feature_cache_writer!r}")
+    if cfg.feature_cache_writer == "vllm" and not cfg.feature_cache_dir:
+        raise ConfigError("feature_cache_writer vllm needs feature_cache_dir (the cache vLLM writes)")
     if cfg.feature_cache_shard_rows < 1:
         raise ConfigError(f"feature_cache_shard_rows must be >= 1, got {cfg.feature_cache_shard_rows}")
     for name in ("dtype", "feature_cache_dtype"):

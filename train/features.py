@@ -16,7 +16,6 @@ A row computed alone has no padding, so the in-memory and on-disk sources give t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -29,6 +28,7 @@ from tqdm.auto import tqdm
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig
 from train.data import DataError, pad_features
+from train.feature_shards import rows_sha256, shard_path, write_rows, write_shard
 
 
 def final_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ class FeatureSource:
 
     # ---- offline cache: shard k holds rows [k*S, (k+1)*S): taps (unless they are the final state), final, offsets
     def shard_path(self, k: int) -> Path:
-        return self.cache_dir / f"shard-{k:05d}.safetensors"
+        return shard_path(self.cache_dir, k)
 
     @property
     def num_shards(self) -> int:
@@ -114,32 +114,41 @@ class FeatureSource:
         return taps, final
 
     def write_shard(self, k: int) -> None:
-        from safetensors.torch import save_file
-
         rows = range(k * self.shard_rows, min((k + 1) * self.shard_rows, len(self.rows)))
         computed = [self.compute(r) for r in rows]
-        lengths = [f.shape[0] for _, f in computed]
-        tensors = {"final": torch.cat([f for _, f in computed]).to("cpu", self.cache_dtype).contiguous(),
-                   "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long)}
-        if not self.taps_are_final:
-            tensors["taps"] = torch.cat([t for t, _ in computed]).to("cpu", self.cache_dtype).contiguous()
-        tmp = self.shard_path(k).with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(self.shard_path(k))  # atomic: a shard file is complete or absent
+        write_shard(self.shard_path(k), [(None if self.taps_are_final else t, f) for t, f in computed], self.cache_dtype)
 
 
 def cache_identity(rows: list[dict], info, feature_layers: list[int], dtype: torch.dtype, shard_rows: int) -> dict:
     """What an offline cache was written for; a cache that differs in any field is refused."""
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps(row["input_ids"]).encode())
     return {"target_fingerprint": info.fingerprint, "feature_layers": feature_layers, "dtype": str(dtype).split(".")[-1],
-            "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows), "rows_sha256": digest.hexdigest()[:16],
-            "shard_rows": shard_rows}
+            "rows": len(rows), "tokens": sum(len(r["input_ids"]) for r in rows),
+            "rows_sha256": rows_sha256([row["input_ids"] for row in rows]), "shard_rows": shard_rows}
 
 
-def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, accelerator: Accelerator) -> None:
-    """Write the missing shards (each process writes every N-th shard); reuse the ones already written."""
+def cache_bytes(tokens: int, hidden_size: int, feature_layers: list[int], num_hidden_layers: int,
+                dtype: torch.dtype) -> int:
+    """Bytes of the on-disk cache's states for `tokens` tokens (the few offset bytes per row aside): every token stores
+    the final state [h] and, unless the taps are the final state itself (feature_layers [L]: Medusa, EAGLE-1), its
+    n taps [n*h] (EAGLE-3, DFlash). The number of layers only decides that; the size is tokens x (1 + n) x h x bytes."""
+    stored_taps = 0 if feature_layers == [num_hidden_layers] else len(feature_layers)
+    return tokens * (1 + stored_taps) * hidden_size * dtype.itemsize
+
+
+def vllm_request(source: FeatureSource) -> dict:
+    """What scripts/vllm_features.py needs besides the identity: the target to load (in the dtype headstart computes
+    its features in) and its dimensions, so vLLM's states can be checked to be the same model's."""
+    config = source.target.config.get_text_config()
+    return {"target": source.target.name_or_path, "target_dtype": str(source.target.dtype).split(".")[-1],
+            "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+            "taps_are_final": source.taps_are_final}
+
+
+def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, accelerator: Accelerator,
+                        writer: str = "target", request_only: bool = False) -> None:
+    """Write the missing shards (each process writes every N-th shard); reuse the ones already written.
+    writer "vllm": write the rows' token ids and the request for scripts/vllm_features.py instead; a run that needs
+    the features stops until the shards are there (`request_only`, build_cache_only: return after the request)."""
     cache_dir = source.cache_dir
     meta_file = cache_dir / "cache.json"
     if meta_file.is_file():
@@ -148,20 +157,35 @@ def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, acce
             diff = sorted(k for k in identity if written_for.get(k) != identity[k])
             raise ConfigError(f"the feature cache in {cache_dir} was written for other rows, target or settings "
                               f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
-    per_token = hidden + (0 if source.taps_are_final else len(source.layers) * hidden)  # the final state, the taps
-    size = identity["tokens"] * per_token * torch.finfo(source.cache_dtype).bits // 8
+    num_layers = source.target.config.get_text_config().num_hidden_layers
+    size = cache_bytes(identity["tokens"], hidden, source.layers, num_layers, source.cache_dtype)
     missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
     accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
-                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({source.num_shards} shards, {len(missing)} to write)")
+                      f"{size / 2**20:.1f} MiB in {identity['dtype']} ({size / identity['rows'] / 2**20:.2f} MiB per row; "
+                      f"{source.num_shards} shards, {len(missing)} to write)")
     if not missing:
         return
     if accelerator.is_main_process:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(cache_dir).free
-        if size * len(missing) / source.num_shards > free:
-            raise DataError(f"the feature cache needs about {size / 2**30:.2f} GiB; {cache_dir} has {free / 2**30:.2f} GiB free")
-        meta_file.write_text(json.dumps({"identity": identity, "bytes_estimate": size}, indent=2))
+        free, needed = shutil.disk_usage(cache_dir).free, size * len(missing) / source.num_shards
+        if needed > free:
+            raise DataError(f"the feature cache needs {needed / 2**30:.2f} GiB more; {cache_dir} has {free / 2**30:.2f} GiB "
+                            f"free: free space, point feature_cache_dir at a larger disk, store bfloat16 "
+                            f"(feature_cache_dtype, half of float32), or compute features online (no feature_cache_dir)")
+        meta = {"identity": identity, "bytes_estimate": size}
+        if writer == "vllm":
+            write_rows(cache_dir, [row["input_ids"] for row in source.rows])
+            meta["vllm_request"] = vllm_request(source)
+        meta_file.write_text(json.dumps(meta, indent=2))
     accelerator.wait_for_everyone()
+    if writer == "vllm":
+        command = f"python scripts/vllm_features.py --cache_dir {cache_dir}"
+        if request_only:
+            accelerator.print(f"feature cache request written; now run, with vLLM's python: {command}")
+            return
+        raise ConfigError(f"the feature cache {cache_dir} is written by vLLM (feature_cache_writer: vllm) and "
+                          f"{len(missing)} of its {source.num_shards} shards are missing: run `{command}` with vLLM's "
+                          f"python (docs/training.md, \"Features from vLLM\"), then this command again")
     mine = missing[accelerator.process_index :: accelerator.num_processes]
     for k in tqdm(mine, desc="feature cache", disable=not accelerator.is_main_process):
         source.write_shard(k)
@@ -178,5 +202,6 @@ def open_feature_source(cfg: TrainRunConfig, target, info, rows: list[dict], fea
                            cfg.feature_cache_shard_rows)
     if mode == "disk":
         source.identity = cache_identity(rows, info, feature_layers, cache_dtype, cfg.feature_cache_shard_rows)
-        build_feature_cache(source, source.identity, info.hidden_size, accelerator)
+        build_feature_cache(source, source.identity, info.hidden_size, accelerator, cfg.feature_cache_writer,
+                            request_only=cfg.build_cache_only)
     return source
