@@ -39,7 +39,8 @@ PRIOR_STEP_RATIO = {1: 1.0, 2: 1.13, 3: 1.16, 4: 1.18, 8: 1.29, 16: 1.53}
 # nodes 4 deep took 17.9 ms of an 81 ms step; Medusa heads 1.3 ms with an 8192-token draft vocabulary and 5.4 ms
 # with all 49152 tokens, of a 36 ms step (medusa_draft_prior).
 PRIOR_EAGLE_DRAFT_RATIO = {2: 0.06, 4: 0.12, 8: 0.22, 16: 0.3}
-# One DFlash draft layer over an 8-token block, in one-token steps of the same target (docs/measured.md).
+# One DFlash draft layer over an 8-token block, in one-token steps of the same target: an estimate (a 30-layer
+# target step runs 30 layers over one token); `--tree auto` measures the draft on the device.
 DFLASH_LAYER_RATIO = 0.05
 
 
