@@ -9,7 +9,9 @@ state itself when feature_layers is [L]). Three sources, chosen by the run confi
 - on disk (`feature_cache_dir`): sharded safetensors files in `feature_cache_dtype` (default the target's dtype),
   written once before training (resumable: a missing shard is written again), refused when written for other rows,
   target or settings. `build_cache_only` writes the cache and stops. A cache is shared by every trainer with the same
-  taps: Medusa and EAGLE-1 (feature_layers [L]) read the same one.
+  taps: Medusa and EAGLE-1 (feature_layers [L]) read the same one. Its size (`cache_bytes`) is printed first. With
+  `feature_cache_writer: vllm` the trainer writes the rows' token ids instead and scripts/vllm_features.py writes the
+  shards from vLLM's hidden states (the files: train/feature_shards.py).
 
 A row computed alone has no padding, so the in-memory and on-disk sources give the same values in any batch layout.
 """
