@@ -164,3 +164,31 @@ def launch():
         if proc.poll() is None:
             kill_tree(proc)
             proc.communicate()
+
+
+def exact_first_three(model, prompt: torch.Tensor) -> torch.Tensor:
+    """The target's exact joint distribution [V, V, V] of its first three sampled tokens after `prompt` (temperature 1;
+    a tiny vocabulary: V**2 continuations are scored)."""
+    import itertools
+
+    V, n = model.config.vocab_size, prompt.numel()
+    conts = torch.tensor(list(itertools.product(range(V), range(V))))  # [V*V, 2]
+    with torch.no_grad():
+        logp = model(torch.cat([prompt.expand(V * V, -1), conts], 1)).logits.double().log_softmax(-1)
+    exact = torch.zeros(V, V, V, dtype=torch.float64)
+    for row, (t1, t2) in enumerate(conts.tolist()):
+        exact[t1, t2] = (logp[row, n - 1, t1] + logp[row, n, t2] + logp[row, n + 1]).exp()
+    return exact
+
+
+def chi_square_pvalue(counts: torch.Tensor, exact: torch.Tensor) -> float:
+    """Pearson chi-square p-value of observed counts against exact probabilities (same shape); cells expecting fewer
+    than 5 draws are pooled into one."""
+    from scipy.stats import chi2
+
+    expected = exact.reshape(-1) * float(counts.sum())
+    observed = counts.reshape(-1).double()
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    return float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))

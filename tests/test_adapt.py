@@ -3,11 +3,10 @@ decode loop under adaptation stays greedy-exact and keeps the target's sampling 
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import chi_square_pvalue, exact_first_three, tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
 from inference.adapt import MAX_PROBE_GAP, AdaptConfig, AdaptivePolicy, StepCost
@@ -172,19 +171,12 @@ def test_adaptive_greedy_is_plain_greedy(model_type):
 def test_adaptive_sampling_keeps_the_target_distribution():
     """Temperature 1 on a vocab-8 model, the policy probing every step (heads and lookup trees of every kind):
     the first three tokens follow the target's exact joint distribution (chi-square)."""
-    from scipy.stats import chi2
-
     model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)  # peaked distributions: a wrong rule shows up quickly
     spec = Speculator(model, _lm_heads(model))
     prompt = torch.tensor([1, 5, 3, 6, 1, 5])
-    conts = torch.tensor(list(itertools.product(range(8), range(8))))  # [64, 2]
-    with torch.no_grad():
-        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)
-    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
-    for row, (t1, t2) in enumerate(conts.tolist()):
-        exact[t1, t2] = (logp[row, 5, t1] + logp[row, 6, t2] + logp[row, 7]).exp()
+    exact = exact_first_three(model, prompt)
     n = 2000
     counts = torch.zeros(8, 8, 8)
     kinds = set()
@@ -195,10 +187,5 @@ def test_adaptive_sampling_keeps_the_target_distribution():
         counts[tuple(out.tokens)] += 1
         kinds |= set(out.stats.proposals)
     assert {"both", "heads"} <= kinds
-    expected = exact.reshape(-1) * n
-    observed = counts.reshape(-1).double()
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    pvalue = float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))
+    pvalue = chi_square_pvalue(counts, exact)
     assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"

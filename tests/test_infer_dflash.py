@@ -3,11 +3,9 @@ true features of exactly the committed positions, lossless sampling (chi-square)
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from transformers import DynamicCache
 
 from heads.dflash import DFlashDraft, dflash_config_for
@@ -104,19 +102,12 @@ def test_draft_vocabulary_scores_only_its_tokens():
 
 def test_sampling_matches_the_target_distribution():
     """Temperature 1 on a vocab-8 target: the first three tokens follow the target's exact joint distribution."""
-    from scipy.stats import chi2
-
     model = tiny_model("llama", num_hidden_layers=4, vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     spec = spec_for(model, make_draft(model), [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
     prompt = torch.tensor([1, 5, 3, 6])
-    conts = torch.tensor(list(itertools.product(range(8), range(8))))
-    with torch.no_grad():
-        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)
-    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
-    for row, (t1, t2) in enumerate(conts.tolist()):
-        exact[t1, t2] = (logp[row, 3, t1] + logp[row, 4, t2] + logp[row, 5]).exp()
+    exact = exact_first_three(model, prompt)
     n = 2000
     counts = torch.zeros(8, 8, 8)
     accepted = 0
@@ -126,11 +117,7 @@ def test_sampling_matches_the_target_distribution():
         counts[tuple(out.tokens)] += 1
         accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
     assert accepted > n // 4  # drafted tokens were kept (the caches got compacted)
-    expected, observed = exact.reshape(-1) * n, counts.reshape(-1).double()
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    pvalue = float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))
+    pvalue = chi_square_pvalue(counts, exact)
     assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
 
 

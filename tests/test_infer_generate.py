@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import chi_square_pvalue, exact_first_three, tiny_model
 
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import fingerprint
@@ -360,8 +359,6 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
     `lookup`, steps whose context repeats a token verify a chain from the context instead (inference/lookup.py)."""
     from inference.lookup import LookupConfig
 
-    from scipy.stats import chi2
-
     model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)  # peaked distributions: a wrong rule shows up quickly
@@ -369,12 +366,7 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
     heads.init_lm_heads_from(model.lm_head.weight)  # drafts the target's likely tokens: paths get accepted
     spec = Speculator(model, heads, tree=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
     prompt = torch.tensor([1, 5, 3, 6])
-    conts = torch.tensor(list(itertools.product(range(8), range(8))))  # [64, 2]
-    with torch.no_grad():
-        logp = model(torch.cat([prompt.expand(64, -1), conts], 1)).logits.double().log_softmax(-1)  # [64, 6, 8]
-    exact = torch.zeros(8, 8, 8, dtype=torch.float64)
-    for row, (t1, t2) in enumerate(conts.tolist()):
-        exact[t1, t2] = (logp[row, 3, t1] + logp[row, 4, t2] + logp[row, 5]).exp()
+    exact = exact_first_three(model, prompt)
     n = 2000
     counts = torch.zeros(8, 8, 8)
     accepted = lookup_steps = 0
@@ -387,13 +379,7 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
         lookup_steps += out.stats.lookup_steps
     assert accepted > n // 2  # drafted tokens were kept often (the cache got compacted)
     assert (lookup_steps > n // 2) if lookup else lookup_steps == 0
-    expected = exact.reshape(-1) * n
-    observed = counts.reshape(-1).double()
-    small = expected < 5
-    obs = torch.cat([observed[~small], observed[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    pvalue = float(chi2.sf(stat, len(exp) - 1))
+    pvalue = chi_square_pvalue(counts, exact)
     assert pvalue > 1e-3, f"chi-square p = {pvalue:.3g}"
 
 
