@@ -151,7 +151,7 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         return args + ["--per_category", "1", "--max_new_tokens", "8"]
     if module == "train.bench_selfdistill":
         return args + ["--target", target, "--num_prompts", "4", "--max_new_tokens", "8", "--batch_sizes", "2",
-                       "--repeats", "1"]
+                       "--generate_batch_sizes", "2", "--repeats", "1"]
     if module == "scripts.demo":  # its stages in subprocesses, one process each, reduced as above
         train = reduce_args("train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
         return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_prompts", "2",

@@ -44,6 +44,21 @@ def test_answers_do_not_depend_on_rows_beside_them(one_thread):
     assert decoder.generate(prompts, seeds=list(range(10))) == alone
 
 
+def test_rows_decoded_together_are_capped_by_the_cache_size(one_thread):
+    model = tiny_model("llama")  # 2 layers, keys and values of the kv heads, fp32
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_row = 2 * 2 * config.num_key_value_heads * head_dim * 4  # bytes a position: layers x (k, v) x kv heads x d x fp32
+    decoder = PackedDecoder(model, max_new_tokens=20, stop_ids=STOP, max_rows=10, cache_gib=5 * 50 * per_row / 2**30)
+    assert decoder.rows_for(50) == 5  # the cache holds 5 rows of 50 positions
+    assert decoder.rows_for(25) == 10  # 10 fit: max_rows
+    assert decoder.rows_for(10**6) == 1  # never fewer than one
+    prompts = tiny_prompts(10)
+    capped = decoder.generate(prompts, seeds=list(range(10)))
+    decoder.cache_gib = 1.0
+    assert decoder.generate(prompts, seeds=list(range(10))) == capped  # the cap changes no row
+
+
 def test_sampled_answers_follow_each_prompts_own_seed(one_thread):
     model = tiny_model("llama")
     prompts = tiny_prompts(6)

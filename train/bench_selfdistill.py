@@ -1,11 +1,13 @@
 """Self-distillation generation speed on the hf backend: tokens/s by batch size and method, on the recipe's prompts.
 
-    python -m train.bench_selfdistill --num_prompts 96 --batch_sizes 16 64 --repeats 2 --threads 1
+    python -m train.bench_selfdistill --num_prompts 96 --repeats 2 --threads 1
 
-Methods, interleaved (every repeat runs each method at each batch size once, in turn):
+Methods, interleaved (every repeat runs each method at each of its batch sizes once, in turn):
 - `generate`: transformers `generate` over fixed left-padded batches of the length-sorted prompts (the hf engine
-  before packed decoding); finished rows keep stepping until the longest of their batch ends.
-- `packed`: train/packed_decode.py (the hf engine now): continuous batching, `batch size` rows decoded together.
+  before packed decoding, at selfdistill's `batch_size` 16); finished rows keep stepping until the longest of their
+  batch ends.
+- `packed`: train/packed_decode.py (the hf engine now): continuous batching, `batch size` rows decoded together
+  (selfdistill's `hf_rows`, 128 by default; 64 before).
 Each method's answers are compared with `generate` at the first batch size; the prompts are the first user turns, the
 order is selfdistill's (length-sorted). Timings on a shared machine: read the spread, and the machine's load printed.
 """
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", default="chitchat:train+pycode:train")
     parser.add_argument("--num_prompts", type=int, default=96, help="the first N prompts of the source")
     parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[64, 128], help="packed: rows decoded together")
+    parser.add_argument("--generate_batch_sizes", type=int, nargs="+", default=[16], help="generate: rows a batch")
     parser.add_argument("--methods", nargs="+", default=["generate", "packed"], choices=["generate", "packed"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -74,26 +77,26 @@ def main(argv: list[str] | None = None) -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
     decoder = PackedDecoder(model, args.max_new_tokens, stop_ids)
-    runs = {(m, b): [] for m in args.methods for b in args.batch_sizes}
+    sizes = {"generate": args.generate_batch_sizes, "packed": args.batch_sizes}
+    runs = {(m, b): [] for m in args.methods for b in sizes[m]}
     reference = None
     for repeat in range(args.repeats):
-        for batch_size in args.batch_sizes:
-            for method in args.methods:
-                start = time.perf_counter()
-                if method == "generate":
-                    answers = generate_padded(model, prompts, tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
-                                              batch_size)
-                else:
-                    decoder.max_rows = batch_size
-                    answers = decoder.generate(prompts, seeds=list(range(len(prompts))))
-                seconds = time.perf_counter() - start
-                tokens = sum(map(len, answers))
-                reference = reference or answers
-                same = sum(a == r for a, r in zip(answers, reference))
-                runs[(method, batch_size)].append(tokens / seconds)
-                print(f"repeat {repeat} {method:8s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
-                      f"{tokens / seconds:.1f} tok/s; answers equal to the first run's {same}/{len(prompts)}; "
-                      f"load {os.getloadavg()[0]:.1f}", flush=True)
+        for method, batch_size in runs:
+            start = time.perf_counter()
+            if method == "generate":
+                answers = generate_padded(model, prompts, tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
+                                          batch_size)
+            else:
+                decoder.max_rows = batch_size
+                answers = decoder.generate(prompts, seeds=list(range(len(prompts))))
+            seconds = time.perf_counter() - start
+            tokens = sum(map(len, answers))
+            reference = reference or answers
+            same = sum(a == r for a, r in zip(answers, reference))
+            runs[(method, batch_size)].append(tokens / seconds)
+            print(f"repeat {repeat} {method:8s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
+                  f"{tokens / seconds:.1f} tok/s; answers equal to the first run's {same}/{len(prompts)}; "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
     print("\nmethod    batch  tok/s (median, min-max over repeats)")
     for (method, batch_size), rates in runs.items():
         print(f"{method:8s} {batch_size:6d}  {statistics.median(rates):7.1f} ({min(rates):.1f}-{max(rates):.1f})")

@@ -60,7 +60,7 @@ class HFEngine:
     def __init__(self, model, cfg, eos_ids: set[int]):
         self.model = model
         self.decoder = PackedDecoder(model, cfg.max_new_tokens, eos_ids, max_rows=cfg.hf_rows,
-                                     temperature=cfg.temperature, top_p=cfg.top_p)
+                                     temperature=cfg.temperature, top_p=cfg.top_p, cache_gib=cfg.hf_cache_gib)
 
     def describe(self) -> dict:
         return {"backend": "hf", "device": str(self.model.device), "decoding": "packed",

@@ -1,13 +1,14 @@
 """Continuous batching for the hf backend: many conversations decoded together, each computed as if alone.
 
-    decoder = PackedDecoder(model, max_new_tokens=128, stop_ids={2}, max_rows=64)
+    decoder = PackedDecoder(model, max_new_tokens=128, stop_ids={2}, max_rows=128)
     answers = decoder.generate([[1, 2, 3], [1, 4]], seeds=[0, 1])   # -> [[5, 6, 2], [9, 9, 9, 9]]
 
 Each step runs the model once over one packed sequence [1, T]: the last token of every conversation being decoded
 and the whole prompt of every conversation admitted this step. The linear layers see all T tokens at once (the
 batching that pays on a CPU); attention runs per conversation over its own cache rows, of its exact length, with no
 padding. A conversation leaves when it writes a stop token or `max_new_tokens` tokens, and the next prompt takes its
-place, so no step is spent on finished rows and no row waits for the longest one of its batch.
+place, so no step is spent on finished rows and no row waits for the longest one of its batch. The rows decoded
+together are `max_rows`, fewer where their key/value cache would pass `cache_gib` (long prompts).
 
 Why a row's tokens do not depend on its neighbours (fp32 on the CPU): PyTorch's default (MKL) linear rounds a row
 differently by the number of rows beside it (and by thread count), and padding changes the attention's reduction
@@ -114,10 +115,11 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class PackedDecoder:
-    def __init__(self, model, max_new_tokens: int, stop_ids: set[int], max_rows: int = 64,
-                 temperature: float = 0.0, top_p: float = 1.0):
+    def __init__(self, model, max_new_tokens: int, stop_ids: set[int], max_rows: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, cache_gib: float = 4.0):
         self.model = model
         self.max_new_tokens, self.stop_ids, self.max_rows = max_new_tokens, set(stop_ids), max_rows
+        self.cache_gib = cache_gib
         self.temperature, self.top_p = temperature, top_p
         self.device = next(model.parameters()).device
         # the oneDNN twins of the model's linear layers, swapped in for each call only (the model stays as given)
@@ -128,6 +130,16 @@ class PackedDecoder:
                     if type(child) is nn.Linear:
                         self.swaps.append((module, name, child, OneDNNLinear(child)))
         self.checked = False
+
+    def rows_for(self, capacity: int) -> int:
+        """How many rows to decode together when each keeps `capacity` positions: `max_rows`, fewer where the
+        key/value cache of every layer would pass `cache_gib`, at least 1."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        element = next(self.model.parameters()).element_size()
+        per_row = config.num_hidden_layers * 2 * kv_heads * capacity * head_dim * element  # keys and values
+        return max(1, min(self.max_rows, int(self.cache_gib * 2**30 // per_row)))
 
     @property
     def batch_invariant(self) -> bool:
@@ -178,10 +190,10 @@ class PackedDecoder:
         """The tokens written after each prompt, ending with the stop token when one was written."""
         answers: list[list[int] | None] = [None] * len(prompts)
         queue = collections.deque(range(len(prompts)))
-        slots = min(self.max_rows, len(prompts))
+        capacity = max(len(p) for p in prompts) + self.max_new_tokens
+        slots = min(self.rows_for(capacity), len(prompts))
         free = list(range(slots))
         live: list[_Row] = []
-        capacity = max(len(p) for p in prompts) + self.max_new_tokens
         cache: dict = {}
         with self._packed_model():
             while queue or live:

@@ -70,7 +70,8 @@ class SelfDistillConfig:
     max_length: int = 1024  # tokens per conversation: a turn whose prompt + max_new_tokens exceeds it is not asked
     batch_size: int = 8  # prompts per parts file (and per sampling-seed group); the hf engine's rows do not depend on it
     prompts_per_call: int = 256  # prompts handed to the engine at once (whole batches); does not change the rows
-    hf_rows: int = 64  # hf: conversations decoded together (continuous batching); does not change the rows
+    hf_rows: int = 128  # hf: conversations decoded together (continuous batching); does not change the rows
+    hf_cache_gib: float = 4.0  # hf: fewer rows where their key/value cache would need more (long prompts)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
