@@ -4,12 +4,15 @@
 
 Stages, each printed with its command before it runs (a rerun reuses the finished ones; the benchmark runs again
 each time and is kept, so several runs give the speedup's run-to-run median):
-  1. self-distillation: the target answers `num_prompts` prompts (chitchat + Python code, taken in turn)
+  1. self-distillation: the target answers `num_prompts` prompts of the broad mix (`mix:train`: chat, instructions
+     over passages, translation, math word problems, code; heads/prompt_families.py)
   2. Medusa-1 heads on those answers (recipes/smollm2-135m/medusa.yaml; the target's features computed once)
-  3. the benchmark on held-out chitchat + HumanEval prompts against plain HF greedy, tree sized by `--tree auto`
-     (the heads alone, and with chains found in the context; HF's prompt-lookup baseline is in docs/benchmark.md)
-Then it prints one table (tau, speedup with its per-prompt spread, identical outputs, each stage's minutes) and
-what to run next; the same text is written to OUTPUT_DIR/summary.md, the stage times to OUTPUT_DIR/stages.json.
+  3. the benchmark on held-out prompts of every task family (`mix:heldout+writing`: the held-out part of each
+     trained family, and `writing`, a family no training mix has) against plain HF greedy and HF prompt lookup, tree
+     sized by `--tree auto` (the heads alone, and with chains found in the context)
+Then it prints one table (tau, speedup with its per-prompt spread, identical outputs), the speedup by task family,
+each stage's minutes and what to run next; the same text is written to OUTPUT_DIR/summary.md, the stage times to
+OUTPUT_DIR/stages.json.
 
 Only Medusa-1 is trained: on 2 CPU cores it reached a higher speedup than EAGLE-3 on the same data and trains in
 half the time (docs/measured.md). The recipes train the other methods.
@@ -40,10 +43,11 @@ class DemoConfig:
     config: Optional[str] = None  # a YAML with any of these fields
     output_dir: str = "runs/demo"
     target: str = "smollm2-135m"
+    prompts: str = "mix:train"  # the prompt source self-distilled (heads/prompts.py)
     num_prompts: int = 384  # prompts self-distilled and trained on
     processes: int = 2  # CPU processes for self-distillation and training (accelerate, gloo)
     num_epochs: int = 6
-    bench_prompts: int = 16  # held-out prompts benchmarked (chitchat and HumanEval, taken in turn)
+    bench_per_category: int = 2  # held-out prompts benchmarked per task family
     max_new_tokens: int = 96
     # more flags for a stage's script, e.g. --train_args="--learning_rate 1e-3 --max_steps 50"
     selfdistill_args: str = ""
@@ -71,7 +75,7 @@ def stage_commands(cfg: DemoConfig) -> list[tuple[str, list[str], Optional[Path]
     return [
         ("self-distillation", launcher(cfg.processes) + [
             in_repo("train/selfdistill.py"), "--config", in_repo("recipes/smollm2-135m/selfdistill.yaml"), *target,
-            "--output_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts), *shlex.split(cfg.selfdistill_args)],
+            "--prompts", cfg.prompts, "--output_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts), *shlex.split(cfg.selfdistill_args)],
          out / "sd" / "meta.json"),
         ("Medusa-1 training", launcher(cfg.processes) + [
             in_repo("train/medusa.py"), "--config", in_repo("recipes/smollm2-135m/medusa.yaml"), *target,
@@ -79,9 +83,8 @@ def stage_commands(cfg: DemoConfig) -> list[tuple[str, list[str], Optional[Path]
             "--per_device_batch_size", per_device, "--output_dir", str(out / "medusa"), *shlex.split(cfg.train_args)],
          out / "medusa" / "heads" / "model.safetensors"),
         ("benchmark", [sys.executable, "-m", "inference.bench", "--heads", str(out / "medusa"),
-                       "--prompts", "chitchat:heldout+humaneval", "--num_prompts", str(cfg.bench_prompts),
-                       "--max_new_tokens", str(cfg.max_new_tokens), "--tree", "auto", "--no_prompt_lookup",
-                       "--output", str(out / "bench"),
+                       "--prompts", "mix:heldout+writing", "--per_category", str(cfg.bench_per_category),
+                       "--max_new_tokens", str(cfg.max_new_tokens), "--tree", "auto", "--output", str(out / "bench"),
                        *shlex.split(cfg.bench_args)], None),
     ]
 
@@ -145,13 +148,30 @@ def record_bench_run(out: Path, results: dict) -> list[float]:
     return [row["speedup"] for row in map(json.loads, history.read_text().splitlines()) if row["speedup"] is not None]
 
 
+def family_table(results: dict) -> list[str]:
+    """Each method's speedup over plain greedy by task family, as markdown lines ([] without families)."""
+    families = results.get("categories") or {}
+    if not families:
+        return []
+    names = [name for name, s in results["methods"].items() if s["kind"] != "vanilla"]
+    shown = [shown_name(name, results["methods"][name]) for name in names]
+    lines = ["", "Speedup by task family:", "", "| family | " + " | ".join(shown) + " |",
+             "|---|" + "---:|" * len(names)]
+    for family, figures in families.items():
+        cells = [f"{figures[name]['speedup']:.2f}x" if figures.get(name, {}).get("speedup") is not None else "n/a"
+                 for name in names]
+        lines.append(f"| {family} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, runs_so_far: list[float]) -> str:
     methods = results["methods"]
     lines = [f"# headstart demo: {cfg.target}, {cfg.num_prompts} prompts self-distilled, Medusa-1 heads", "",
              f"Held-out top-1 of the heads (depth 1 / 2 / 3): "
              + " / ".join(f"{x:.3f}" for x in heads_metrics["top1"]), "",
-             f"Benchmark: {results['settings']['num_prompts_used']} held-out prompts (chitchat + HumanEval) x "
-             f"{cfg.max_new_tokens} new tokens, greedy, batch 1, against plain HF greedy:", "",
+             f"Benchmark: {results['settings']['num_prompts_used']} held-out prompts ({cfg.bench_per_category} of each "
+             f"task family; `writing` is in no training mix) x {cfg.max_new_tokens} new tokens, greedy, batch 1, "
+             "against plain HF greedy:", "",
              "| method | tau | speedup | per-prompt min / median / max | 95% CI | identical |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, s in methods.items():
@@ -161,6 +181,7 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
         lines.append(f"| {name} | {s['tau']:.2f} | {s['speedup']:.2f}x | {spread['min']:.2f} / {spread['median']:.2f} / "
                      f"{spread['max']:.2f} | {ci[0]:.2f}-{ci[1]:.2f} | {s['identical']}/{s['identical_of']} |"
                      if ci and s["tau"] is not None else f"| {name} | n/a | n/a | n/a | n/a | n/a |")
+    lines += family_table(results)
     best = best_lossless(methods)
     lines.append("")
     if best:

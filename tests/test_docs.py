@@ -154,7 +154,7 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
                        "--generate_batch_sizes", "2", "--repeats", "1"]
     if module == "scripts.demo":  # its stages in subprocesses, one process each, reduced as above
         train = reduce_args("train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
-        return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_prompts", "2",
+        return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_per_category", "1",
                        "--max_new_tokens", "8", "--train_args=" + shlex.join(train[train.index("--max_steps"):])]
     return args
 
@@ -233,6 +233,7 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         out = Path(parse_config(importlib.import_module(module).DemoConfig, args).output_dir)
         assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
         assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
+        assert "Speedup by task family:" in printed and "| writing |" in printed
     elif module == "heads.export":
         out = Path(args[1])
         assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "README.md").is_file()

@@ -1,4 +1,4 @@
-"""Self-distillation generation speed on the hf backend: tokens/s by batch size and method, on the recipe's prompts.
+"""Self-distillation generation speed on the hf backend: tokens/s by batch size and method, on chat and code prompts.
 
     python -m train.bench_selfdistill --num_prompts 96 --repeats 2 --threads 1
 

@@ -41,7 +41,7 @@ class TrainRunConfig:
     dtype: str = "auto"  # target dtype: auto = bfloat16 on CUDA, float32 on CPU
     data_dir: str = "runs/sd-mix-768"  # a train/selfdistill.py output dir (dataset/ + meta.json)
     selfdistill_recipe: Optional[str] = None  # used when data_dir holds no dataset yet: self-distil first
-    num_prompts: Optional[int] = 768  # prompts (chat + code, taken in turn) to self-distil when data_dir is empty
+    num_prompts: Optional[int] = 768  # prompts (of the self-distillation recipe's source) to self-distil when data_dir is empty
     output_dir: str = "runs/heads"
     max_length: int = 512  # tokens per row (longer rows are cut)
     eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)

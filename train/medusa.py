@@ -1,6 +1,6 @@
 """Train Medusa heads on the target's own generations (Medusa-1: frozen target; Medusa-2: LoRA-tuned target).
 
-CPU (2 cores, the embedded SmolLM2-135M; self-distils the recipe's chat + code prompts first if data_dir is empty):
+CPU (2 cores, the embedded SmolLM2-135M; self-distils the recipe's broad mix of prompts first if data_dir is empty):
     python train/medusa.py --config recipes/smollm2-135m/medusa.yaml --output_dir runs/medusa-smollm2
     python train/medusa.py --config recipes/smollm2-135m/medusa2.yaml --output_dir runs/medusa2-smollm2 \
         --init_heads_from runs/medusa-smollm2/heads                       (Medusa-2 from the Medusa-1 heads)

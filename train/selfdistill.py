@@ -1,6 +1,6 @@
 """Self-distillation: the target answers every user turn itself, and that becomes the heads' data.
 
-    # CPU, the embedded default (the recipe: chitchat:train+pycode:train, taken in turn):
+    # CPU, the embedded default (the recipe: 768 prompts of the broad mix, mix:train):
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --output_dir runs/sd
     # one GPU:
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16
@@ -62,7 +62,7 @@ RESULT_FIELDS = ("target", "prompts", "num_prompts", "max_turns", "max_new_token
 class SelfDistillConfig:
     config: Optional[str] = None  # recipe YAML
     target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
-    prompts: str = "chitchat:train+pycode:train"  # see heads/prompts.py for the spec strings
+    prompts: str = "mix:train"  # the broad mix of task families; see heads/prompts.py for the spec strings
     output_dir: str = "runs/selfdistill"
     num_prompts: Optional[int] = None  # first N rows of the source; None = all
     max_turns: int = 2  # user turns answered per conversation
