@@ -75,7 +75,8 @@ def stage_commands(cfg: DemoConfig) -> list[tuple[str, list[str], Optional[Path]
     return [
         ("self-distillation", launcher(cfg.processes) + [
             in_repo("train/selfdistill.py"), "--config", in_repo("recipes/smollm2-135m/selfdistill.yaml"), *target,
-            "--prompts", cfg.prompts, "--output_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts), *shlex.split(cfg.selfdistill_args)],
+            "--prompts", cfg.prompts, "--output_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts),
+            *shlex.split(cfg.selfdistill_args)],
          out / "sd" / "meta.json"),
         ("Medusa-1 training", launcher(cfg.processes) + [
             in_repo("train/medusa.py"), "--config", in_repo("recipes/smollm2-135m/medusa.yaml"), *target,
