@@ -1,34 +1,107 @@
-"""The target's linear layers through oneDNN with packed weights, for decoding on a CPU in float32.
+"""The target's linear layers on a CPU in float32: per call, oneDNN over a packed weight or PyTorch's default, whichever
+this machine runs faster for that many rows.
 
 At batch 1 a decode step multiplies a few rows (1 for plain decoding, the tree's nodes when verifying) by every
-weight matrix. PyTorch's default CPU path (MKL sgemm) can read each weight once per row when there are only a few
-rows, so verifying a small tree costs a multiple of a one-token step and no tree pays. oneDNN's linear over a weight
-converted once reads it once for a few rows alike, so a small tree costs about a one-token step (docs/measured.md has
-the timings). `use_onednn_linears(model)` swaps every `nn.Linear` for
-`OneDNNLinear`, which keeps the original Parameters (tied weights, state_dict and fingerprint unchanged) and adds
-the packed copy. Inference only: the packed copy does not follow later changes of the weights, and it has no
-gradient. Plain and speculative decoding then run on the same arithmetic, so greedy outputs stay comparable.
+weight matrix, so the kernel's speed at 1-16 rows decides what a tree costs over a one-token step. Which kernel wins
+depends on the CPU: on an AMD EPYC host PyTorch's default (MKL sgemm) read each weight again for 2-3 rows and
+oneDNN's linear over a weight converted once was flat; on an Intel Xeon host the default was a third faster than
+oneDNN for 1-3 rows and oneDNN only caught up at 8 (docs/measured.md has both). So `use_cpu_linears(model)` times
+both kernels over the model's own linear layers for each row count of a decode step (`KernelChoice.measure`) and
+swaps every `nn.Linear` for a `CpuLinear`, which keeps the original Parameters (tied weights, state_dict and
+fingerprint unchanged), adds the packed copy and takes, per call, the kernel chosen for its row count. Inference
+only: the packed copy does not follow later changes of the weights, and it has no gradient. Plain and speculative
+decoding then run on the same kernels, so greedy outputs stay comparable.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts a decode step's linear calls have (trees up to 16 nodes)
+MEASURE_ROUNDS = 3
+DEFAULT_MARGIN = 0.1  # the default kernel is taken only where it is this much faster: near a tie oneDNN stays, so a
+# repeated measurement gives the same choice
 
-class OneDNNLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+
+class KernelChoice:
+    """Which kernel a linear call of n rows takes: True = oneDNN over the packed weight, False = PyTorch's default.
+    One object is shared by every CpuLinear of a model (and its heads)."""
+
+    def __init__(self, onednn_by_rows: dict[int, bool] | None = None):
+        self.onednn_by_rows = dict(sorted((onednn_by_rows or {}).items()))  # {} = oneDNN for every row count
+        self._lookup = [self._choose(rows) for rows in range(65)]
+
+    def _choose(self, rows: int) -> bool:
+        """The choice measured at the largest measured row count <= rows (the smallest one below it)."""
+        below = [r for r in self.onednn_by_rows if r <= rows]
+        if not self.onednn_by_rows:
+            return True
+        return self.onednn_by_rows[max(below) if below else min(self.onednn_by_rows)]
+
+    def onednn(self, rows: int) -> bool:
+        return self._lookup[rows] if rows < len(self._lookup) else self._choose(rows)
+
+    @property
+    def label(self) -> str:
+        """"onednn" (always), else the row counts given to the default kernel, e.g. "default for 1-3, 6 rows"."""
+        default_rows = [r for r, onednn in self.onednn_by_rows.items() if not onednn]
+        if not default_rows:
+            return "onednn"
+        if len(default_rows) == len(self.onednn_by_rows):
+            return "default"
+        return "default for " + ", ".join(map(str, default_rows)) + " rows, else onednn"
+
+    @classmethod
+    @torch.no_grad()
+    def measure(cls, layers: list["CpuLinear"], rows: tuple[int, ...] = MEASURED_ROWS, rounds: int = MEASURE_ROUNDS,
+                margin: float = DEFAULT_MARGIN) -> "KernelChoice":
+        """Time both kernels over all `layers` (one call each, random inputs) per row count, in turns, `rounds`
+        times; a row count takes the default kernel where its median is `margin` below oneDNN's."""
+        if not layers:
+            return cls()
+        inputs = {n: [torch.randn(n, layer.in_features, generator=torch.Generator().manual_seed(n)) for layer in layers]
+                  for n in rows}
+        times: dict[tuple[int, bool], list[float]] = {(n, onednn): [] for n in rows for onednn in (True, False)}
+        for round_ in range(rounds + 1):  # round 0 warms up
+            for n in rows:
+                for onednn in (True, False):
+                    start = time.perf_counter()
+                    for layer, x in zip(layers, inputs[n]):
+                        layer.compute(x, onednn)
+                    if round_:
+                        times[(n, onednn)].append(time.perf_counter() - start)
+        median = {key: statistics.median(t) for key, t in times.items()}
+        return cls({n: median[(n, False)] > (1 - margin) * median[(n, True)] for n in rows})
+
+
+ALWAYS_ONEDNN = KernelChoice()
+
+
+class CpuLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernels: KernelChoice = ALWAYS_ONEDNN):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter [out, in]
         self.bias = linear.bias
+        self.kernels = kernels
         bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
         self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
         self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
 
+    def compute(self, x: torch.Tensor, onednn: bool) -> torch.Tensor:
+        """x [..., in] -> [..., out] through one kernel: oneDNN over the packed weight, or PyTorch's default."""
+        if onednn:
+            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out], float32 on the CPU."""
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+        """x [..., in] -> [..., out], float32 on the CPU, through the kernel chosen for its row count."""
+        return self.compute(x, self.kernels.onednn(x.numel() // self.in_features))
 
 
 def onednn_applies(model: nn.Module) -> bool:
@@ -37,30 +110,42 @@ def onednn_applies(model: nn.Module) -> bool:
     return torch.backends.mkldnn.is_available() and first.device.type == "cpu" and first.dtype == torch.float32
 
 
+def kernels_of(model: nn.Module) -> KernelChoice | None:
+    """The KernelChoice of `model`'s CpuLinears (None: it has none)."""
+    layer = next((m for m in model.modules() if isinstance(m, CpuLinear)), None)
+    return None if layer is None else layer.kernels
+
+
 def linear_kernel(model: nn.Module) -> str:
-    """"onednn" when `model` computes its linear layers through OneDNNLinear, else "default" (calibration records it)."""
-    return "onednn" if any(isinstance(m, OneDNNLinear) for m in model.modules()) else "default"
+    """The kernels of `model`'s linear layers (calibration records it): its CpuLinears' KernelChoice label, else
+    "default"."""
+    kernels = kernels_of(model)
+    return "default" if kernels is None else kernels.label
 
 
-def projection(weight: torch.Tensor, onednn: bool = True) -> nn.Module:
-    """x [..., in] -> x @ weight.T [..., out] as a module over `weight` [out, in] (not copied), through oneDNN where
-    it applies (and `onednn`): e.g. the rows of a shared lm_head that Medusa heads score, a few rows of x at a time.
-    Build it once: the oneDNN copy is made here."""
+def projection(weight: torch.Tensor, kernels: KernelChoice | None = ALWAYS_ONEDNN) -> nn.Module:
+    """x [..., in] -> x @ weight.T [..., out] as a module over `weight` [out, in] (not copied), a CpuLinear taking
+    `kernels`' choices where oneDNN applies (None: a plain nn.Linear): e.g. the rows of a shared lm_head that Medusa
+    heads score, a few rows of x at a time. Build it once: the oneDNN copy is made here."""
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    return OneDNNLinear(linear) if onednn and onednn_applies(linear) else linear
+    return CpuLinear(linear, kernels) if kernels is not None and onednn_applies(linear) else linear
 
 
 @torch.no_grad()
-def use_onednn_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of `model` for a OneDNNLinear, in place; -> how many were swapped (0 where it does
-    not apply: not float32 on the CPU, or already swapped)."""
+def use_cpu_linears(model: nn.Module, kernels: KernelChoice | None = None) -> KernelChoice | None:
+    """Swap every nn.Linear of `model` for a CpuLinear, in place, all sharing `kernels` (None: measured here over
+    the model's own layers, KernelChoice.measure). -> the KernelChoice in use, or None where nothing was swapped (not
+    float32 on the CPU, or no nn.Linear left: already swapped)."""
     if not onednn_applies(model):
-        return 0
-    swapped = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, name, OneDNNLinear(child))
-                swapped += 1
-    return swapped
+        return None
+    slots = [(module, name, child) for module in model.modules() for name, child in module.named_children()
+             if type(child) is nn.Linear]
+    if not slots:
+        return None
+    layers = [CpuLinear(child) for _, _, child in slots]
+    kernels = kernels if kernels is not None else KernelChoice.measure(layers)
+    for (module, name, _), layer in zip(slots, layers):
+        layer.kernels = kernels
+        setattr(module, name, layer)
+    return kernels

@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from inference.attention import attention_implementation, gqa_sdpa
-from inference.cpu_linear import OneDNNLinear, linear_kernel, use_onednn_linears
+from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, KernelChoice, linear_kernel, use_cpu_linears
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
 
@@ -78,7 +78,7 @@ def rows_invariant(model: PreTrainedModel, rows: int = 8) -> bool:
     matmul picks for the row count, the thread count and the dtype (e.g. MKL runs one fp32 row as a gemv), so it is
     measured on the loaded model rather than assumed."""
     for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, OneDNNLinear)):  # through the module: its kernel may be switched
+        if isinstance(module, (torch.nn.Linear, CpuLinear)):  # through the module: its kernel may be switched
             weight = module.weight  # [out, in]
             x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
             together = module(x)  # [rows, out]
@@ -168,9 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
-    parser.add_argument("--linear", choices=["onednn", "default", "both"], default="onednn",
-                        help="float32 CPU linear kernels: oneDNN as the Speculator runs them (inference/cpu_linear.py), "
-                             "PyTorch's default, or both (default first, then oneDNN)")
+    parser.add_argument("--linear", choices=["measured", "onednn", "default", "all"], default="measured",
+                        help="float32 CPU linear kernels: per row count the faster of the two as measured here (what "
+                             "the Speculator runs, inference/cpu_linear.py), oneDNN always, PyTorch's default always, or "
+                             "all three in turn (default, oneDNN, measured)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,9 +199,13 @@ def main(argv: list[str] | None = None) -> None:
 
     where = f"{device}, {args.dtype}" if device.type == "cuda" else f"{torch.get_num_threads()} threads, {args.dtype}"
     threads = f"{where}, medians of {args.repeats}"
-    for kernels in ["default", "onednn"] if args.linear == "both" else [args.linear]:
-        if kernels == "onednn":
-            use_onednn_linears(model)
+    use_cpu_linears(model, ALWAYS_ONEDNN)
+    layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    for mode in ["default", "onednn", "measured"] if args.linear == "all" else [args.linear]:
+        kernels = (KernelChoice.measure(layers) if mode == "measured" else ALWAYS_ONEDNN if mode == "onednn" else
+                   KernelChoice({1: False}))  # default: the choice at 1 row holds for every row count
+        for layer in layers:
+            layer.kernels = kernels
         by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
         print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
               f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads}, {linear_kernel(model)} linear kernels)")

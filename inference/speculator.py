@@ -23,7 +23,7 @@ from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, Tr
                                  write_tree_record)
 from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
                              dflash_draft_prior, medusa_draft_prior)
-from inference.cpu_linear import linear_kernel, projection, use_onednn_linears
+from inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from inference.dflash import DFlashProposer
 from inference.eagle import EagleProposer, dynamic_config_from_choices
@@ -41,16 +41,19 @@ class Speculator:
     Medusa heads and a DFlash draft fill a static tree (`self.tree`) from per-depth top-k tokens; an EAGLE draft
     grows a dynamic tree of `self.dynamic`'s size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
     greedy decoding / distribution (a target you pass in is copied first). In float32 on a CPU the target's and
-    the heads' nn.Linear layers are switched to oneDNN kernels in place (inference/cpu_linear.py: the same weights;
-    plain decoding on the same model then runs on the same kernels); `onednn=False` leaves them as they are.
+    the heads' nn.Linear layers are switched in place to CpuLinears, which take per call the kernel (oneDNN or
+    PyTorch's default) measured fastest here for that many rows (inference/cpu_linear.py: the same weights; plain
+    decoding on the same model then runs on the same kernels); `cpu_linears=False` leaves them as they are.
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
                  tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None = None, heads_dir: Path | None = None,
-                 lookup: bool = True, exact: bool = False, onednn: bool = True, adaptive: bool = True):
-        if onednn:  # float32 on a CPU: the target's and the heads' linear layers through oneDNN, in place
-            use_onednn_linears(model)
-            use_onednn_linears(heads)
+                 lookup: bool = True, exact: bool = False, cpu_linears: bool = True, adaptive: bool = True):
+        kernels = None
+        if cpu_linears:  # float32 on a CPU: the target's and the heads' linear layers on the kernels measured fastest here
+            kernels = use_cpu_linears(model) or kernels_of(model)
+            if kernels is not None:
+                use_cpu_linears(heads, kernels)
         self.model = model
         self.heads = heads
         self.tokenizer = tokenizer
@@ -74,7 +77,7 @@ class Speculator:
         share = self.is_dflash or (not self.is_eagle and heads.config.share_lm_head)
         # Medusa heads sharing the target's lm_head, and a DFlash draft, score its draft-vocabulary rows: sliced and
         # packed once
-        self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), onednn)
+        self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), kernels)
                               if share else None)
         self.tree: Tree | None = None  # Medusa: the static tree
         self.dynamic: DynamicTreeConfig | None = None  # EAGLE: the dynamic tree's size

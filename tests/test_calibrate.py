@@ -14,6 +14,7 @@ from conftest import tiny_model
 import inference.calibrate as calibrate_module
 from heads.medusa import MedusaConfig, MedusaHeads
 from inference.calibrate import FALLBACK_NODES, ROUNDS, busy_reading, calibrate_tree, others_cores, relative_mad, stale_reason
+from inference.cpu_linear import ALWAYS_ONEDNN, use_cpu_linears
 from inference.speculator import Speculator
 from inference.tree import best_choices
 
@@ -42,6 +43,7 @@ class ScriptedTimer:
 @pytest.fixture(scope="module")
 def model_and_heads():
     model = tiny_model("llama", vocab_size=128, seed=1)
+    use_cpu_linears(model, ALWAYS_ONEDNN)  # fixed kernels (not measured): the records' "linear" below is "onednn"
     torch.manual_seed(0)
     return model, MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=128, num_heads=3)).eval()
 

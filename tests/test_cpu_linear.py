@@ -1,13 +1,17 @@
-"""inference/cpu_linear.py: the oneDNN linear layers compute what nn.Linear does, over the same Parameters."""
+"""inference/cpu_linear.py: the CPU linear layers compute what nn.Linear does, over the same Parameters, through the
+kernel measured fastest for each row count."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
-from inference.cpu_linear import OneDNNLinear, linear_kernel, projection, use_onednn_linears
+import time
+
+from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, KernelChoice, linear_kernel, projection, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -20,9 +24,11 @@ def test_swapped_model_keeps_its_weights_and_computes_the_same_logits():
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
     with torch.no_grad():
         want = model(ids).logits
-    assert linear_kernel(model) == "default"
-    assert use_onednn_linears(model) == linears > 0
-    assert linear_kernel(model) == "onednn" and not any(type(m) is nn.Linear for m in model.modules())
+    assert linear_kernel(model) == "default" and linears > 0
+    kernels = use_cpu_linears(model)
+    swapped = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    assert len(swapped) == linears and all(m.kernels is kernels for m in swapped)
+    assert linear_kernel(model) == kernels.label and not any(type(m) is nn.Linear for m in model.modules())
     after = model.state_dict()
     assert list(after) == list(before)  # the same names: saving, fingerprints and loading see no change
     for name, (pointer, value) in before.items():
@@ -30,12 +36,12 @@ def test_swapped_model_keeps_its_weights_and_computes_the_same_logits():
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert use_onednn_linears(model) == 0  # already swapped
+    assert use_cpu_linears(model) is None  # already swapped
 
 
 def test_only_float32_on_the_cpu_is_swapped():
     model = tiny_model("llama").to(torch.bfloat16)
-    assert use_onednn_linears(model) == 0 and linear_kernel(model) == "default"
+    assert use_cpu_linears(model) is None and linear_kernel(model) == "default"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
@@ -44,18 +50,60 @@ def test_projection_is_a_matmul_by_the_transposed_weight(rows):
     weight = torch.randn(50, 16)
     x = torch.randn(rows, 16)
     project = projection(weight)
-    assert isinstance(project, OneDNNLinear)
+    assert isinstance(project, CpuLinear) and project.kernels is ALWAYS_ONEDNN
     torch.testing.assert_close(project(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert project.weight.data_ptr() == weight.data_ptr()  # not a copy
 
 
 def test_rows_invariant_checks_the_swapped_layers():
-    """inference.forward.rows_invariant (what --exact relies on) must test the oneDNN layers the Speculator swapped in:
+    """inference.forward.rows_invariant (what --exact relies on) must test the CPU layers the Speculator swapped in:
     one whose output depends on the number of rows makes it False (it checked only nn.Linear and said True)."""
     from inference.forward import rows_invariant
 
     model = tiny_model("llama").eval()
-    use_onednn_linears(model)
-    layer = next(m for m in model.modules() if isinstance(m, OneDNNLinear))
+    use_cpu_linears(model)
+    layer = next(m for m in model.modules() if isinstance(m, CpuLinear))
     layer.forward = lambda x: torch.nn.functional.linear(x, layer.weight) + x.shape[0]  # row-count dependent
     assert not rows_invariant(model)
+
+
+def test_each_call_takes_the_kernel_chosen_for_its_row_count():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 40)
+    choice = KernelChoice({1: False, 2: True, 6: False})
+    assert [choice.onednn(n) for n in (1, 2, 3, 5, 6, 7, 100)] == [False, True, True, True, False, False, False]
+    assert choice.label == "default for 1, 6 rows, else onednn"
+    assert KernelChoice().label == "onednn" and KernelChoice({1: False}).label == "default"
+    layer = CpuLinear(linear, choice)
+    for rows in (1, 2, 6):
+        x = torch.randn(rows, 16)
+        want = layer.compute(x, choice.onednn(rows))
+        assert torch.equal(layer(x), want)
+        torch.testing.assert_close(layer.compute(x, not choice.onednn(rows)), want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(1, 16)
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))  # 1 row: PyTorch's own kernel, exactly
+    batched = torch.randn(2, 1, 16)  # rows are every leading dimension: 2 here, oneDNN's
+    assert torch.equal(layer(batched), layer.compute(batched, True))
+
+
+class ScriptedLayer:
+    """A layer whose kernels take scripted times: the default 5 ms up to 3 rows and 20 ms beyond, oneDNN 10 ms."""
+
+    in_features = 4
+
+    def compute(self, x: torch.Tensor, onednn: bool) -> None:
+        time.sleep(0.010 if onednn else 0.005 if x.shape[0] <= 3 else 0.020)
+
+
+def test_measure_gives_the_default_kernel_the_row_counts_where_it_is_clearly_faster():
+    choice = KernelChoice.measure([ScriptedLayer()], rows=(1, 2, 3, 4, 8), rounds=3)
+    assert choice.onednn_by_rows == {1: False, 2: False, 3: False, 4: True, 8: True}
+    assert [choice.onednn(n) for n in (1, 3, 4, 16)] == [False, False, True, True]
+
+
+def test_measure_keeps_onednn_where_the_two_are_near_a_tie():
+    class NearTie(ScriptedLayer):
+        def compute(self, x, onednn):
+            time.sleep(0.010 if onednn else 0.0097)  # 3% faster: inside the 10% margin
+
+    assert KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3).onednn_by_rows == {1: True, 2: True}

@@ -34,7 +34,7 @@ def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0) 
 
 
 def spec_for(model, draft, tree) -> Speculator:
-    return Speculator(model, draft, tree=tree, onednn=False)
+    return Speculator(model, draft, tree=tree, cpu_linears=False)
 
 
 def no_eos(model):

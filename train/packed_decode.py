@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from inference.cpu_linear import OneDNNLinear, onednn_applies
+from inference.cpu_linear import CpuLinear, onednn_applies
 
 ATTENTION = "headstart_packed"
 
@@ -128,7 +128,7 @@ class PackedDecoder:
             for module in model.modules():
                 for name, child in module.named_children():
                     if type(child) is nn.Linear:
-                        self.swaps.append((module, name, child, OneDNNLinear(child)))
+                        self.swaps.append((module, name, child, CpuLinear(child)))  # oneDNN always
         self.checked = False
 
     def rows_for(self, capacity: int) -> int:
