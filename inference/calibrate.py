@@ -63,7 +63,7 @@ class TreeCalibration:
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"
     prefix_len: int
     device: str
-    linear: str  # the target's linear kernels: "onednn" (inference/cpu_linear.py) or "default"
+    linear: str  # the target's linear kernels: inference/cpu_linear.py's linear_kernel label ("default" unswapped)
     threads: int  # torch CPU threads during the timings
     rounds: int
     noisy: bool  # too noisy or machine busy (chosen_by says which): choices is the fallback tree, not the measured best

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+PACKED_ROWS = 16  # oneDNN's weight layout is chosen for this many rows (flat from 1 to 16 rows on the hosts measured)
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # row counts a decode step's linear calls have (trees up to 16 nodes)
 MEASURE_ROUNDS = 3
 DEFAULT_MARGIN = 0.1  # the default kernel is taken only where it is this much faster: near a tie oneDNN stays, so a
@@ -89,14 +90,18 @@ class CpuLinear(nn.Module):
         self.weight = linear.weight  # the same Parameter [out, in]
         self.bias = linear.bias
         self.kernels = kernels
-        bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
-        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
+        # oneDNN's copy of the weight in the blocked layout its kernel reads for up to PACKED_ROWS rows (a weight
+        # converted with a plain to_mkldnn() is reordered again on every call: on an Intel Xeon host that made a
+        # one-token step 1.65x slower than PyTorch's default)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS),
+                             persistent=False)
 
     def compute(self, x: torch.Tensor, onednn: bool) -> torch.Tensor:
         """x [..., in] -> [..., out] through one kernel: oneDNN over the packed weight, or PyTorch's default."""
         if onednn:
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+            rows = x.reshape(-1, self.in_features).contiguous()  # [n, in]
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # [n, out]
+            return out.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ together are `max_rows`, fewer where their key/value cache would pass `cache_gib
 
 Why a row's tokens do not depend on its neighbours (fp32 on the CPU): PyTorch's default (MKL) linear rounds a row
 differently by the number of rows beside it (and by thread count), and padding changes the attention's reduction
-order. Here the linear layers run through oneDNN (inference/cpu_linear.py), whose result for a row is the same for
+order. Here the linear layers run through oneDNN over a plainly converted weight (RowInvariantLinear), whose result for a row is the same for
 any 2 or more rows and any thread count (a one-token step is padded with a dummy token to 2 rows; the lm_head gets
 at least 2 rows), and attention sees exactly the row's own keys. So a conversation's tokens are a function of its
 prompt and seed only: not of the batch, the process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from inference.cpu_linear import CpuLinear, onednn_applies
+from inference.cpu_linear import onednn_applies
 
 ATTENTION = "headstart_packed"
 
@@ -114,6 +114,24 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
 
 
+class RowInvariantLinear(nn.Module):
+    """nn.Linear through oneDNN over a weight converted with to_mkldnn() (not inference/cpu_linear.py's blocked copy,
+    which is faster for a few rows): a row's result is the same for any 2 or more rows beside it and any thread count,
+    which is what keeps a conversation's tokens independent of its batch (module docstring). Same Parameters."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
+        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
+        self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out], float32 on the CPU."""
+        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+
+
 class PackedDecoder:
     def __init__(self, model, max_new_tokens: int, stop_ids: set[int], max_rows: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, cache_gib: float = 4.0):
@@ -128,7 +146,7 @@ class PackedDecoder:
             for module in model.modules():
                 for name, child in module.named_children():
                     if type(child) is nn.Linear:
-                        self.swaps.append((module, name, child, CpuLinear(child)))  # oneDNN always
+                        self.swaps.append((module, name, child, RowInvariantLinear(child)))
         self.checked = False
 
     def rows_for(self, capacity: int) -> int:
