@@ -4,8 +4,8 @@ this machine runs faster for that many rows.
 At batch 1 a decode step multiplies a few rows (1 for plain decoding, the tree's nodes when verifying) by every
 weight matrix, so the kernel's speed at 1-16 rows decides what a tree costs over a one-token step. Which kernel wins
 depends on the CPU: on an AMD EPYC host PyTorch's default (MKL sgemm) read each weight again for 2-3 rows and
-oneDNN's linear over a weight converted once was flat; on an Intel Xeon host the default was a third faster than
-oneDNN for 1-3 rows and oneDNN only caught up at 8 (docs/measured.md has both). So `use_cpu_linears(model)` times
+oneDNN was flat; on an Intel Xeon host the default was the fastest for 1-3 rows and jumped at 4, where oneDNN over a
+weight reordered once stayed flat (docs/measured.md has both). So `use_cpu_linears(model)` times
 both kernels over the model's own linear layers for each row count of a decode step (`KernelChoice.measure`) and
 swaps every `nn.Linear` for a `CpuLinear`, which keeps the original Parameters (tied weights, state_dict and
 fingerprint unchanged), adds the packed copy and takes, per call, the kernel chosen for its row count. Inference
@@ -93,8 +93,8 @@ class CpuLinear(nn.Module):
         # oneDNN's copy of the weight in the blocked layout its kernel reads for up to PACKED_ROWS rows (a weight
         # converted with a plain to_mkldnn() is reordered again on every call: on an Intel Xeon host that made a
         # one-token step 1.65x slower than PyTorch's default)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS),
-                             persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_ROWS)
+        self.register_buffer("packed_weight", packed, persistent=False)
 
     def compute(self, x: torch.Tensor, onednn: bool) -> torch.Tensor:
         """x [..., in] -> [..., out] through one kernel: oneDNN over the packed weight, or PyTorch's default."""
