@@ -168,10 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
-    parser.add_argument("--linear", choices=["measured", "onednn", "default", "all"], default="measured",
+    parser.add_argument("--linear", choices=["measured", "onednn", "default", "both", "all"], default="measured",
                         help="float32 CPU linear kernels: per row count the faster of the two as measured here (what "
-                             "the Speculator runs, inference/cpu_linear.py), oneDNN always, PyTorch's default always, or "
-                             "all three in turn (default, oneDNN, measured)")
+                             "the Speculator runs, inference/cpu_linear.py), oneDNN always, PyTorch's default always, "
+                             "both of those in turn (default, oneDNN), or all three (default, oneDNN, measured)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     threads = f"{where}, medians of {args.repeats}"
     use_cpu_linears(model, ALWAYS_ONEDNN)
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
-    for mode in ["default", "onednn", "measured"] if args.linear == "all" else [args.linear]:
+    modes = {"all": ["default", "onednn", "measured"], "both": ["default", "onednn"]}.get(args.linear, [args.linear])
+    for mode in modes:
         kernels = (KernelChoice.measure(layers) if mode == "measured" else ALWAYS_ONEDNN if mode == "onednn" else
                    KernelChoice({1: False}))  # default: the choice at 1 row holds for every row count
         for layer in layers:
