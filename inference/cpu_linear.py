@@ -38,10 +38,11 @@ class KernelChoice:
         self._lookup = [self._choose(rows) for rows in range(65)]
 
     def _choose(self, rows: int) -> bool:
-        """The choice measured at the largest measured row count <= rows (the smallest one below it)."""
-        below = [r for r in self.onednn_by_rows if r <= rows]
+        """The choice measured at the largest measured row count <= rows (fewer rows than any measured: the
+        smallest's)."""
         if not self.onednn_by_rows:
             return True
+        below = [r for r in self.onednn_by_rows if r <= rows]
         return self.onednn_by_rows[max(below) if below else min(self.onednn_by_rows)]
 
     def onednn(self, rows: int) -> bool:
@@ -49,7 +50,8 @@ class KernelChoice:
 
     @property
     def label(self) -> str:
-        """"onednn" (always), else the row counts given to the default kernel, e.g. "default for 1-3, 6 rows"."""
+        """"onednn" (always), "default" (always), else the row counts given to the default kernel, e.g.
+        "default for 1, 2, 3 rows, else onednn"."""
         default_rows = [r for r, onednn in self.onednn_by_rows.items() if not onednn]
         if not default_rows:
             return "onednn"
