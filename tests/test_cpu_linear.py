@@ -3,14 +3,14 @@ kernel measured fastest for each row count."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
-import time
-
 from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, KernelChoice, linear_kernel, projection, use_cpu_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
