@@ -14,8 +14,8 @@ Why a row's tokens do not depend on its neighbours (fp32 on the CPU): PyTorch's 
 differently by the number of rows beside it (and by thread count), and padding changes the attention's reduction
 order. Here the linear layers run through oneDNN over a plainly converted weight (RowInvariantLinear), whose result
 for a row is the same for any 2 or more rows and any thread count (a one-token step is padded with a dummy token to 2
-rows; the lm_head gets at least 2 rows), and attention sees exactly the row's own keys. So a conversation's tokens are a function of its
-prompt and seed only: not of the batch, the process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the
+rows; the lm_head gets at least 2 rows), and attention sees exactly the row's own keys. So a conversation's tokens
+are a function of its prompt and seed only: not of the batch, the process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the
 default kernels run and rows may differ in near-ties by batch composition.
 
 The model is any transformers causal LM whose attention layers go through transformers' attention interface
