@@ -12,7 +12,7 @@ together are `max_rows`, fewer where their key/value cache would pass `cache_gib
 
 Why a row's tokens do not depend on its neighbours (fp32 on the CPU): PyTorch's default (MKL) linear rounds a row
 differently by the number of rows beside it (and by thread count), and padding changes the attention's reduction
-order. Here the linear layers run through oneDNN over a plainly converted weight (RowInvariantLinear), whose result
+order. Here the linear layers run through oneDNN over a weight reordered once (RowInvariantLinear), whose result
 for a row is the same for any 2 or more rows and any thread count (a one-token step is padded with a dummy token to 2
 rows; the lm_head gets at least 2 rows), and attention sees exactly the row's own keys. So a conversation's tokens
 are a function of its prompt and seed only: not of the batch, the process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the
@@ -115,21 +115,25 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 class RowInvariantLinear(nn.Module):
-    """nn.Linear through oneDNN over a weight converted with to_mkldnn() (not inference/cpu_linear.py's blocked copy,
-    which is faster for a few rows): a row's result is the same for any 2 or more rows beside it and any thread count,
-    which is what keeps a conversation's tokens independent of its batch (module docstring). Same Parameters."""
+    """nn.Linear through oneDNN over a weight reordered once for its kernel (`ROW_HINT` rows): a row's result is the
+    same for any 2 or more rows beside it and any thread count, which is what keeps a conversation's tokens
+    independent of its batch (module docstring), and bit-identical to oneDNN over a plainly converted (to_mkldnn())
+    weight, which reorders the weight again on every call. Same Parameters."""
+
+    ROW_HINT = 64  # the row count oneDNN lays the weight out for; results do not depend on it
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        bias = linear.bias.detach() if linear.bias is not None else torch.zeros(linear.out_features)
-        self.register_buffer("packed_weight", linear.weight.detach().to_mkldnn(), persistent=False)
-        self.register_buffer("packed_bias", bias.to_mkldnn(), persistent=False)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.ROW_HINT)
+        self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out], float32 on the CPU."""
-        return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed_weight, self.packed_bias).to_dense()
+        rows = x.reshape(-1, self.in_features).contiguous()  # [n, in]
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # [n, out]
+        return out.reshape(*x.shape[:-1], self.out_features)
 
 
 class PackedDecoder:
