@@ -30,7 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from inference.attention import attention_implementation, gqa_sdpa
-from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, KernelChoice, linear_kernel, use_cpu_linears
+from inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
+                                  use_cpu_linears)
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
 
@@ -168,10 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
-    parser.add_argument("--linear", choices=["measured", "onednn", "default", "both", "all"], default="measured",
-                        help="float32 CPU linear kernels: per row count the faster of the two as measured here (what "
-                             "the Speculator runs, inference/cpu_linear.py), oneDNN always, PyTorch's default always, "
-                             "both of those in turn (default, oneDNN), or all three (default, oneDNN, measured)")
+    parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "all"], default="measured",
+                        help="float32 CPU linear kernels: per row count the fastest as measured here (what the "
+                             "Speculator runs, inference/cpu_linear.py), or one kernel always (mkl: the default beyond "
+                             "its largest packed row count), or all four in turn (default, onednn, mkl, measured)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,12 +202,13 @@ def main(argv: list[str] | None = None) -> None:
     threads = f"{where}, medians of {args.repeats}"
     use_cpu_linears(model, ALWAYS_ONEDNN)
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
-    modes = {"all": ["default", "onednn", "measured"], "both": ["default", "onednn"]}.get(args.linear, [args.linear])
+    modes = {"all": [DEFAULT, ONEDNN, MKL, "measured"]}.get(args.linear, [args.linear])
     for mode in modes:
-        kernels = (KernelChoice.measure(layers) if mode == "measured" else ALWAYS_ONEDNN if mode == "onednn" else
-                   KernelChoice({1: False}))  # default: the choice at 1 row holds for every row count
         for layer in layers:
-            layer.kernels = kernels
+            layer.keep_every_copy()
+        kernels = KernelChoice.measure(layers) if mode == "measured" else KernelChoice({1: mode})  # {1: k}: k always
+        for layer in layers:
+            layer.use(kernels)
         by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
         print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
               f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads}, {linear_kernel(model)} linear kernels)")

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
-from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, KernelChoice, linear_kernel, projection, use_cpu_linears
+from inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, MKL_ROWS, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
+                                  mkl_applies, projection, use_cpu_linears)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
 
@@ -67,43 +68,69 @@ def test_rows_invariant_checks_the_swapped_layers():
     assert not rows_invariant(model)
 
 
+@pytest.mark.skipif(not mkl_applies(), reason="this torch build has no MKL packed linear kernel")
 def test_each_call_takes_the_kernel_chosen_for_its_row_count():
     torch.manual_seed(0)
     linear = nn.Linear(16, 40)
-    choice = KernelChoice({1: False, 2: True, 6: False})
-    assert [choice.onednn(n) for n in (1, 2, 3, 5, 6, 7, 100)] == [False, True, True, True, False, False, False]
-    assert choice.label == "default for 1, 6 rows, else onednn"
-    assert KernelChoice().label == "onednn" and KernelChoice({1: False}).label == "default"
+    choice = KernelChoice({1: DEFAULT, 2: ONEDNN, 6: MKL})
+    assert [choice.kernel(n) for n in (1, 2, 3, 5, 6, 7, 100)] == [DEFAULT, ONEDNN, ONEDNN, ONEDNN, MKL, MKL, MKL]
+    assert choice.label == "default for 1 rows; onednn for 2 rows; mkl for 6 rows"
+    assert KernelChoice().label == ONEDNN and KernelChoice({1: DEFAULT, 4: DEFAULT}).label == DEFAULT
     layer = CpuLinear(linear, choice)
-    for rows in (1, 2, 6):
+    assert layer.onednn_weight is not None and sorted(layer.mkl_weights) == [8, 16]  # only the copies it reads
+    for rows in (1, 2, 6, 7, 16):
         x = torch.randn(rows, 16)
-        want = layer.compute(x, choice.onednn(rows))
+        want = layer.compute(x, choice.kernel(rows))
         assert torch.equal(layer(x), want)
-        torch.testing.assert_close(layer.compute(x, not choice.onednn(rows)), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.compute(x, DEFAULT), want, rtol=1e-5, atol=1e-5)
     x = torch.randn(1, 16)
     assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))  # 1 row: PyTorch's own kernel, exactly
     batched = torch.randn(2, 1, 16)  # rows are every leading dimension: 2 here, oneDNN's
-    assert torch.equal(layer(batched), layer.compute(batched, True))
+    assert torch.equal(layer(batched), layer.compute(batched, ONEDNN))
+    layer.use(KernelChoice({1: DEFAULT}))
+    assert layer.onednn_weight is None and layer.mkl_weights == {}  # copies no kernel reads are dropped
+
+
+@pytest.mark.skipif(not mkl_applies(), reason="this torch build has no MKL packed linear kernel")
+def test_mkl_rows_padded_to_a_packed_copy_give_a_row_the_same_bits_at_any_row_count():
+    """A call's rows are padded up to the next packed row count (4, 8, 16): a row's result does not depend on the
+    rows beside it or on which copy computed it, and more rows than the largest copy take the default kernel."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    layer = CpuLinear(linear, KernelChoice({1: MKL}))
+    assert sorted(layer.mkl_weights) == list(MKL_ROWS)
+    row = torch.randn(1, 64)
+    alone = layer(row)[0]
+    for rows in (2, 4, 5, 8, 9, 16):
+        x = torch.randn(rows, 64)
+        x[rows // 2] = row[0]
+        assert torch.equal(layer(x)[rows // 2], alone), rows
+    torch.testing.assert_close(alone, F.linear(row, linear.weight, linear.bias)[0], rtol=1e-5, atol=1e-5)
+    x = torch.randn(17, 64)
+    assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
 
 
 class ScriptedLayer:
-    """A layer whose kernels take scripted times: the default 5 ms up to 3 rows and 20 ms beyond, oneDNN 10 ms."""
+    """A layer whose kernels take scripted times: the default 5 ms up to 3 rows and 20 ms beyond, MKL 8 ms, oneDNN
+    10 ms."""
 
     in_features = 4
 
-    def compute(self, x: torch.Tensor, onednn: bool) -> None:
-        time.sleep(0.010 if onednn else 0.005 if x.shape[0] <= 3 else 0.020)
+    def compute(self, x: torch.Tensor, kernel: str) -> None:
+        time.sleep({ONEDNN: 0.010, MKL: 0.008, DEFAULT: 0.005 if x.shape[0] <= 3 else 0.020}[kernel])
 
 
-def test_measure_gives_the_default_kernel_the_row_counts_where_it_is_clearly_faster():
-    choice = KernelChoice.measure([ScriptedLayer()], rows=(1, 2, 3, 4, 8), rounds=3)
-    assert choice.onednn_by_rows == {1: False, 2: False, 3: False, 4: True, 8: True}
-    assert [choice.onednn(n) for n in (1, 3, 4, 16)] == [False, False, True, True]
+def test_measure_gives_each_row_count_its_fastest_kernel():
+    choice = KernelChoice.measure([ScriptedLayer()], rows=(1, 2, 3, 4, 8), rounds=3, kernels=(DEFAULT, MKL, ONEDNN))
+    assert choice.kernel_by_rows == {1: DEFAULT, 2: DEFAULT, 3: DEFAULT, 4: MKL, 8: MKL}
+    assert [choice.kernel(n) for n in (1, 3, 4, 16)] == [DEFAULT, DEFAULT, MKL, MKL]
+    without_mkl = KernelChoice.measure([ScriptedLayer()], rows=(1, 4), rounds=3, kernels=(DEFAULT, ONEDNN))
+    assert without_mkl.kernel_by_rows == {1: DEFAULT, 4: ONEDNN}
 
 
-def test_measure_keeps_onednn_where_the_two_are_near_a_tie():
+def test_measure_keeps_the_earlier_preferred_kernel_near_a_tie():
     class NearTie(ScriptedLayer):
-        def compute(self, x, onednn):
-            time.sleep(0.010 if onednn else 0.0097)  # 3% faster: inside the 10% margin
+        def compute(self, x, kernel):
+            time.sleep(0.0100 if kernel == DEFAULT else 0.0098)  # 2% slower: inside the 5% margin
 
-    assert KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3).onednn_by_rows == {1: True, 2: True}
+    assert KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3, kernels=(DEFAULT, MKL, ONEDNN)).kernel_by_rows == {1: DEFAULT, 2: DEFAULT}
