@@ -15,13 +15,16 @@ else PRIOR_STEP_RATIO) plus the heads' draft when they draft (measured the same 
 generation's wall clock, so choices follow acceptance only and seeded sampling repeats. A source that could draft
 but was not verified for `probe_every` steps is verified once at its smallest (the heads: their top-1 guess;
 lookup: two tokens), so a draft that stopped paying is looked at again and comes back when it pays; each failed
-probe doubles the wait for the next (up to MAX_PROBE_GAP x), so a draft useless for a whole generation costs
-a few probes. Lossless by
+probe doubles the wait for the next, up to the wait over which a probe's extra cost over a plain step is PROBE_BUDGET
+of a step (at most MAX_PROBE_GAP x probe_every): a draft useless for a whole generation costs a few probes, and where
+a one-node probe costs next to nothing (a flat step-cost curve) the draft is looked at every probe_every steps, so a
+draft right now and then is not left unverified for long. Lossless by
 construction: whatever tree is chosen, the target verifies it exactly (inference/verify.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -57,6 +60,7 @@ LOOKUP_PRIOR_FIRST = {1: 0.3, 2: 0.5, 3: 0.6}
 LOOKUP_PRIOR_NEXT = 0.7
 HEADS_RANKS = 4  # ranks per depth the heads' trees may use
 MAX_PROBE_GAP = 8  # failed probes stretch the wait for the next one up to this many times probe_every
+PROBE_BUDGET = 0.02  # ... and only while a probe's extra cost, spread over the wait, is above this share of a step
 
 
 @dataclass
@@ -173,12 +177,20 @@ class AdaptivePolicy:
         self.rates = RateTable(prior, self.config.decay, self.config.prior_weight)
         self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
         # steps a source may go unverified before a probe: probe_every, doubled after each failed probe (up to
-        # MAX_PROBE_GAP x), back to probe_every once it is chosen on its merits
+        # max_probe_gap), back to probe_every once it is chosen on its merits
         self.probe_gap = {"heads": self.config.probe_every, "lookup": self.config.probe_every}
+        self.max_probe_gap = {"heads": self._max_probe_gap(self.cost.cost(2, 2) - self.cost.cost(1, 0)),
+                              "lookup": self._max_probe_gap(self.cost.cost(3, 0) - self.cost.cost(1, 0))}
         self.kinds: Counter = Counter()  # plan kind -> steps
         self.sizes: Counter = Counter()  # tree nodes -> steps
         self.index: ContextIndex | None = None  # the generation's context, indexed for lookup as it grows
         self.trees: dict[tuple[int, ...], Tree] = {}  # parents -> tree: a generation meets the same few shapes again
+
+    def _max_probe_gap(self, probe_extra_cost: float) -> int:
+        """The longest wait between probes of a source whose probe costs `probe_extra_cost` steps over a plain one:
+        where the probe's cost spread over the wait is PROBE_BUDGET, within [probe_every, MAX_PROBE_GAP x it]."""
+        every = self.config.probe_every
+        return min(MAX_PROBE_GAP * every, max(every, math.ceil(probe_extra_cost / PROBE_BUDGET)))
 
     def _heads_options(self) -> list[tuple[list[list[int]], float]]:
         """(choices, expected extra tokens) of the best heads tree of each allowed size, under the current rates."""
@@ -300,7 +312,7 @@ class AdaptivePolicy:
                         hit_sources.add(key[0])
         for source in plan.probes:  # a failed probe: wait twice as long for the next
             gap = self.config.probe_every if source in hit_sources else 2 * self.probe_gap[source]
-            self.probe_gap[source] = min(gap, MAX_PROBE_GAP * self.config.probe_every)
+            self.probe_gap[source] = min(gap, self.max_probe_gap[source])
         self.kinds[plan.kind] += 1
         self.sizes[tree.size] += 1
 

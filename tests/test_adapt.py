@@ -78,7 +78,8 @@ def test_a_useless_draft_costs_a_few_steps_then_probes_only():
     heads_steps = [i for i, (plan, _) in enumerate(history) if plan.heads_choices]
     assert len([i for i in heads_steps if i < 8]) <= 3  # a few steps to learn the heads are wrong
     later = [i for i in heads_steps if i >= 8]
-    assert len(later) <= 64 // (MAX_PROBE_GAP * cfg.probe_every) + 2  # failed probes: the longest wait between
+    assert policy.max_probe_gap["heads"] > cfg.probe_every  # a probe costs something on the prior curve: waits grow
+    assert len(later) <= 64 // policy.max_probe_gap["heads"] + 2  # failed probes: the longest wait between
     assert all(len(history[i][0].heads_choices) == 1 for i in later)  # probes verify one node
     assert policy.kinds["plain"] >= 50
 
@@ -96,7 +97,22 @@ def test_a_draft_that_collapses_is_dropped_and_comes_back():
     assert all(uses[5:30])
     assert not any(uses[38:70])  # after 8 wasted steps at most, only one-node probes
     back = next(i for i in range(70, 110) if all(uses[i: i + 10]))
-    assert back <= 70 + MAX_PROBE_GAP * cfg.probe_every + 2  # the next probe, at the longest wait
+    assert back <= 70 + policy.max_probe_gap["heads"] + 2  # the next probe, at the longest wait
+
+
+def test_probes_that_cost_next_to_nothing_keep_their_first_wait():
+    """On a flat step-cost curve (a two-token step costs a one-token step's) a one-node probe costs only the draft:
+    the heads are probed every probe_every steps however often probes fail; on a steep curve the wait grows, up to
+    MAX_PROBE_GAP x."""
+    cfg = AdaptConfig()
+    flat = StepCost({1: 1.0, 2: 1.0, 4: 1.2, 16: 1.6}, {0: 0.01})
+    policy = AdaptivePolicy(cfg, heads_accuracy=[[0.6, 0.2]] * 3, heads_depth=3, lookup=False, cost=flat)
+    assert policy.max_probe_gap["heads"] == cfg.probe_every
+    history = simulate(policy, 64, useless)
+    probes = [i for i, (plan, _) in enumerate(history) if plan.heads_choices and i >= 8]
+    assert all(b - a <= cfg.probe_every + 1 for a, b in zip(probes, probes[1:])) and len(probes) >= 64 // 5 - 2
+    steep = StepCost({1: 1.0, 2: 2.0, 16: 4.0}, {0: 0.2})
+    assert AdaptivePolicy(cfg, heads_depth=3, cost=steep).max_probe_gap["heads"] == MAX_PROBE_GAP * cfg.probe_every
 
 
 def test_lookup_chains_grow_as_long_as_they_are_accepted():
