@@ -169,10 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
-    parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "all"], default="measured",
+    parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "both", "all"], default="measured",
                         help="float32 CPU linear kernels: per row count the fastest as measured here (what the "
                              "Speculator runs, inference/cpu_linear.py), or one kernel always (mkl: the default beyond "
-                             "its largest packed row count), or all four in turn (default, onednn, mkl, measured)")
+                             "its largest packed row count), default then onednn (both), or all four in turn "
+                             "(default, onednn, mkl, measured)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     threads = f"{where}, medians of {args.repeats}"
     use_cpu_linears(model, ALWAYS_ONEDNN)
     layers = [m for m in model.modules() if isinstance(m, CpuLinear)]
-    modes = {"all": [DEFAULT, ONEDNN, MKL, "measured"]}.get(args.linear, [args.linear])
+    modes = {"all": [DEFAULT, ONEDNN, MKL, "measured"], "both": [DEFAULT, ONEDNN]}.get(args.linear, [args.linear])
     for mode in modes:
         for layer in layers:
             layer.keep_every_copy()

@@ -133,4 +133,5 @@ def test_measure_keeps_the_earlier_preferred_kernel_near_a_tie():
         def compute(self, x, kernel):
             time.sleep(0.0100 if kernel == DEFAULT else 0.0098)  # 2% slower: inside the 5% margin
 
-    assert KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3, kernels=(DEFAULT, MKL, ONEDNN)).kernel_by_rows == {1: DEFAULT, 2: DEFAULT}
+    choice = KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3, kernels=(DEFAULT, MKL, ONEDNN))
+    assert choice.kernel_by_rows == {1: DEFAULT, 2: DEFAULT}

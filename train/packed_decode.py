@@ -12,11 +12,12 @@ together are `max_rows`, fewer where their key/value cache would pass `cache_gib
 
 Why a row's tokens do not depend on its neighbours (fp32 on the CPU): PyTorch's default (MKL) linear rounds a row
 differently by the number of rows beside it (and by thread count), and padding changes the attention's reduction
-order. Here the linear layers run through oneDNN over a weight reordered once (RowInvariantLinear), whose result
-for a row is the same for any 2 or more rows and any thread count (a one-token step is padded with a dummy token to 2
-rows; the lm_head gets at least 2 rows), and attention sees exactly the row's own keys. So a conversation's tokens
-are a function of its prompt and seed only: not of the batch, the process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the
-default kernels run and rows may differ in near-ties by batch composition.
+order. Here every linear layer runs through oneDNN over a weight reordered once (inference/cpu_linear.py's CpuLinear
+with oneDNN for every row count), whose result for a row is the same for any 2 or more rows and any thread count (a
+one-token step is padded with a dummy token to 2 rows; the lm_head gets at least 2 rows), and attention sees exactly
+the row's own keys. So a conversation's tokens are a function of its prompt and seed only: not of the batch, the
+process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the default kernels run and rows may differ in
+near-ties by batch composition.
 
 The model is any transformers causal LM whose attention layers go through transformers' attention interface
 (Llama, Qwen2/3, Mistral, Gemma, ...): a custom attention function ("headstart_packed") does the cache writes and
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from inference.cpu_linear import onednn_applies
+from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, onednn_applies
 
 ATTENTION = "headstart_packed"
 
@@ -114,28 +115,6 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(remove.scatter(0, order, remove), float("-inf"))
 
 
-class RowInvariantLinear(nn.Module):
-    """nn.Linear through oneDNN over a weight reordered once for its kernel (`ROW_HINT` rows): a row's result is the
-    same for any 2 or more rows beside it and any thread count, which is what keeps a conversation's tokens
-    independent of its batch (module docstring), and bit-identical to oneDNN over a plainly converted (to_mkldnn())
-    weight, which reorders the weight again on every call. Same Parameters."""
-
-    ROW_HINT = 64  # the row count oneDNN lays the weight out for; results do not depend on it
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), self.ROW_HINT)
-        self.register_buffer("packed_weight", packed, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out], float32 on the CPU."""
-        rows = x.reshape(-1, self.in_features).contiguous()  # [n, in]
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")  # [n, out]
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-
 class PackedDecoder:
     def __init__(self, model, max_new_tokens: int, stop_ids: set[int], max_rows: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, cache_gib: float = 4.0):
@@ -150,7 +129,7 @@ class PackedDecoder:
             for module in model.modules():
                 for name, child in module.named_children():
                     if type(child) is nn.Linear:
-                        self.swaps.append((module, name, child, RowInvariantLinear(child)))
+                        self.swaps.append((module, name, child, CpuLinear(child, ALWAYS_ONEDNN)))
         self.checked = False
 
     def rows_for(self, capacity: int) -> int:
