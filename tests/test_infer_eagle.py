@@ -8,6 +8,7 @@ from conftest import tiny_model
 
 from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
 from heads.target import fingerprint
+import inference.calibrate as calibrate_module
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.decode import speculative_generate
 from inference.forward import target_forward
@@ -191,11 +192,24 @@ def test_speculator_loads_eagle_dirs_and_refuses_another_target(tmp_path):
         Speculator.from_pretrained(str(tmp_path / "eagle3"), target=other)
 
 
-def test_auto_tree_is_timed_with_the_eagle_draft(tmp_path):
+def test_auto_tree_is_timed_with_the_eagle_draft(tmp_path, monkeypatch):
+    """The calibration runs the EAGLE draft of every size it times. The timer runs each step and draft for real but
+    returns scripted milliseconds (a CPU-like curve) and the machine reads as quiet, so the choice does not depend on
+    what else runs beside the test (a busy machine would fall back, tests/test_calibrate.py)."""
     model = tiny_model("llama", num_hidden_layers=4, seed=0)
     make_draft(model, "eagle3").save_pretrained(tmp_path)
     spec = Speculator.from_pretrained(str(tmp_path), target=model, tree="default")
-    calib = spec.calibrate(sizes=(1, 4, 8), prefix_len=32, repeats=1)
+    timed: dict[tuple[str, int], int] = {}
+
+    def timer(kind: str, size: int, run) -> float:
+        run()
+        timed[(kind, size)] = timed.get((kind, size), 0) + 1
+        return 1.0 if kind == "draft" else {1: 40.0, 4: 44.0, 8: 60.0}[size]
+
+    monkeypatch.setattr(calibrate_module, "busy_reading", lambda: (None, 0.0))  # unknown load: not busy
+    calib = spec.calibrate(sizes=(1, 4, 8), prefix_len=32, repeats=1, timer=timer)
+    assert {size for kind, size in timed if kind == "draft"} == {1, 4, 8}  # the draft of every size timed, run
+    assert calib.chosen_by == "measurement" and calib.choices
     assert spec.dynamic == dynamic_config_from_choices(calib.choices)
     assert spec.tree_size == len(calib.choices) + 1 and (tmp_path / "tree.json").is_file()
     again = Speculator.from_pretrained(str(tmp_path), target=model)  # reads tree.json
