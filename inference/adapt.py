@@ -5,8 +5,14 @@ Every node of a verified tree carries the keys of the proposers that drafted it:
 the heads' tree, ("lookup", n, branch, position) for a continuation found after an n-token match in the context
 (branch 0 = the latest match, 1 = any other). After each verification every node whose parent was accepted is one
 trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
-exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials (the heads' training
-accuracies made conditional, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup). A tree's
+exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials (the heads' held-out
+accuracies from training, each depth as it is, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup):
+on prompts unlike the training ones a head is right after a right parent about as often as its accuracy alone says
+(docs/generation.md), not that accuracy over the parent's as a head that is only right after a right parent would
+be. Lookup's prior
+decays with the counts; the heads' does not, so a streak of misses cannot take a heads rate below
+prior_weight / (prior_weight + 1 / (1 - decay)) of its prior: where a one-node draft costs next to nothing the
+heads keep drafting through a streak of misses, where it costs more they are dropped as before. A tree's
 expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
 inference/tree.py sizes trees.
 
@@ -73,28 +79,37 @@ class AdaptConfig:
     decay: float = 0.7  # per trial: an estimate follows about the last 1 / (1 - decay) trials
     prior_weight: float = 0.5  # the prior counts as this many trials
     probe_every: int = 4  # steps a source can go unverified before it is verified once at its smallest
+    lasting_prior: tuple[str, ...] = ("heads",)  # sources whose prior never decays (RateTable)
 
 
 class RateTable:
-    """P(accepted | parent accepted) per key: decayed hit and trial counts, starting from the prior as `weight`
-    trials (which decay like any other, so a draft that stopped paying falls to its observed rate)."""
+    """P(accepted | parent accepted) per key: (prior weight x prior + decayed hits) / (prior weight + decayed trials).
 
-    def __init__(self, prior, decay: float, weight: float):
+    The observations decay, so a draft that stopped paying falls towards its observed rate within a few trials. The
+    prior's weight decays with them for most sources (lookup's prior is a guess), but not for the sources in
+    `lasting` (the heads: their prior is their measured held-out accuracy), whose rates a streak of misses leaves
+    at weight / (weight + 1 / (1 - decay)) of the prior or above."""
+
+    def __init__(self, prior, decay: float, weight: float, lasting: tuple[str, ...] = ()):
         self.prior = prior  # key -> prior rate
         self.decay = decay
         self.weight = weight
-        self.counts: dict[Key, list[float]] = {}  # key -> [hits, trials]
+        self.lasting = lasting
+        self.counts: dict[Key, list[float]] = {}  # key -> [decayed hits, decayed trials, the prior's weight]
 
     def rate(self, key: Key) -> float:
         counts = self.counts.get(key)
-        return self.prior(key) if counts is None else counts[0] / counts[1]
+        if counts is None:
+            return self.prior(key)
+        hits, trials, weight = counts
+        return (weight * self.prior(key) + hits) / (weight + trials)
 
     def observe(self, key: Key, hit: bool) -> None:
-        counts = self.counts.get(key)
-        if counts is None:
-            counts = self.counts[key] = [self.weight * self.prior(key), self.weight]
+        counts = self.counts.setdefault(key, [0.0, 0.0, self.weight])
         counts[0] = counts[0] * self.decay + float(hit)
         counts[1] = counts[1] * self.decay + 1.0
+        if key[0] not in self.lasting:
+            counts[2] *= self.decay
 
 
 class StepCost:
@@ -174,7 +189,7 @@ class AdaptivePolicy:
             _, n, _, position = key
             return LOOKUP_PRIOR_FIRST.get(n, max(LOOKUP_PRIOR_FIRST.values())) if position == 1 else LOOKUP_PRIOR_NEXT
 
-        self.rates = RateTable(prior, self.config.decay, self.config.prior_weight)
+        self.rates = RateTable(prior, self.config.decay, self.config.prior_weight, self.config.lasting_prior)
         self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
         # steps a source may go unverified before a probe: probe_every, doubled after each failed probe (up to
         # max_probe_gap), back to probe_every once it is chosen on its merits
@@ -315,12 +330,3 @@ class AdaptivePolicy:
             self.probe_gap[source] = min(gap, self.max_probe_gap[source])
         self.kinds[plan.kind] += 1
         self.sizes[tree.size] += 1
-
-
-def conditional_rates(accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
-    """Training's per-(depth, rank) accuracies (P(head d's rank-r guess is right), as metrics.json records them) as
-    the policy's prior P(right | parent right): depth d's rates over depth d - 1's top-1 (a head is rarely right
-    where the head before it was wrong), at most 1."""
-    rows = [list(row) for row in accuracy]
-    return [rows[0]] + [[min(1.0, a / rows[d - 1][0]) if rows[d - 1][0] > 0 else 0.0 for a in rows[d]]
-                        for d in range(1, len(rows))]

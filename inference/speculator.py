@@ -21,7 +21,7 @@ from heads.load import load_heads_and_target
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
-from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost, conditional_rates,
+from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost,
                              dflash_draft_prior, medusa_draft_prior)
 from inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
 from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
@@ -63,7 +63,7 @@ class Speculator:
         self.adaptive = adaptive  # each step verifies what inference/adapt.py expects to pay most (else: self.tree)
         self.adapt_config = AdaptConfig()
         accuracy = read_accuracy(heads_dir) if heads_dir is not None else None  # read once, not per generation
-        self.heads_prior = conditional_rates(accuracy) if accuracy else None  # the adaptive policy's prior rates
+        self.heads_prior = accuracy  # the adaptive policy's prior rates (None: inference/tree.py's DEFAULT_ACCURACY)
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.is_dflash = heads.config.method == "dflash"
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score

@@ -115,6 +115,24 @@ def test_probes_that_cost_next_to_nothing_keep_their_first_wait():
     assert AdaptivePolicy(cfg, heads_depth=3, cost=steep).max_probe_gap["heads"] == MAX_PROBE_GAP * cfg.probe_every
 
 
+def test_heads_right_now_and_then_keep_drafting_through_misses_where_a_node_costs_next_to_nothing():
+    """Heads right one step in fifteen, on a flat step-cost curve: a one-node draft pays (0.067 tokens for 2% of a step),
+    and the heads' lasting prior keeps their rate above that through any streak of misses, so no step is plain. With
+    the prior decaying like the observations, a streak of misses takes the rate to nothing and steps go plain."""
+    flat = StepCost({1: 1.0, 2: 1.0, 4: 1.2, 16: 1.6}, {0: 0.02})
+
+    def now_and_then(step, depth, rank):
+        return rank == 0 and depth == 0 and step % 15 == 0
+
+    lasting = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.4, 0.1]] * 3, heads_depth=3, lookup=False, cost=flat)
+    simulate(lasting, 90, now_and_then)
+    assert lasting.kinds["plain"] == 0 and lasting.kinds["heads"] == 90
+    fading = AdaptivePolicy(AdaptConfig(lasting_prior=()), heads_accuracy=[[0.4, 0.1]] * 3, heads_depth=3,
+                            lookup=False, cost=flat)
+    simulate(fading, 90, now_and_then)
+    assert fading.kinds["plain"] >= 15
+
+
 def test_lookup_chains_grow_as_long_as_they_are_accepted():
     cfg = AdaptConfig()
     policy = AdaptivePolicy(cfg, heads_depth=0, lookup=True)  # lookup only
