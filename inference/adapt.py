@@ -5,14 +5,11 @@ Every node of a verified tree carries the keys of the proposers that drafted it:
 the heads' tree, ("lookup", n, branch, position) for a continuation found after an n-token match in the context
 (branch 0 = the latest match, 1 = any other). After each verification every node whose parent was accepted is one
 trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
-exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials (the heads' held-out
-accuracies from training, each depth as it is, else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR for lookup):
-on prompts unlike the training ones a head is right after a right parent about as often as its accuracy alone says
-(docs/generation.md), not that accuracy over the parent's as a head that is only right after a right parent would
-be. Lookup's prior
-decays with the counts; the heads' does not, so a streak of misses cannot take a heads rate below
-prior_weight / (prior_weight + 1 / (1 - decay)) of its prior: where a one-node draft costs next to nothing the
-heads keep drafting through a streak of misses, where it costs more they are dropped as before. A tree's
+exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials: the heads' held-out
+accuracy per depth from training, taken as it is (on prompts unlike the training ones a head is right after a right
+parent about as often as its accuracy alone says, docs/generation.md), else inference/tree.py's DEFAULT_ACCURACY;
+LOOKUP_PRIOR for lookup. Lookup's prior decays with the counts; the heads' does not (RateTable), so where a one-node
+draft costs next to nothing the heads keep drafting through a streak of misses. A tree's
 expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
 inference/tree.py sizes trees.
 
@@ -95,17 +92,19 @@ class RateTable:
         self.decay = decay
         self.weight = weight
         self.lasting = lasting
-        self.counts: dict[Key, list[float]] = {}  # key -> [decayed hits, decayed trials, the prior's weight]
+        self.counts: dict[Key, list[float]] = {}  # key -> [decayed hits, decayed trials, prior weight, prior rate]
 
     def rate(self, key: Key) -> float:
         counts = self.counts.get(key)
         if counts is None:
             return self.prior(key)
-        hits, trials, weight = counts
-        return (weight * self.prior(key) + hits) / (weight + trials)
+        hits, trials, weight, prior = counts
+        return (weight * prior + hits) / (weight + trials)
 
     def observe(self, key: Key, hit: bool) -> None:
-        counts = self.counts.setdefault(key, [0.0, 0.0, self.weight])
+        counts = self.counts.get(key)
+        if counts is None:
+            counts = self.counts[key] = [0.0, 0.0, self.weight, self.prior(key)]
         counts[0] = counts[0] * self.decay + float(hit)
         counts[1] = counts[1] * self.decay + 1.0
         if key[0] not in self.lasting:
