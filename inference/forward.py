@@ -156,9 +156,9 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: Sequence[int]) -> 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> None:
-    """Time the target's tree forward here: a step's cost by tokens verified (chains of --sizes, 256-token cache), and
-    a 3-token tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of --repeats, run in
-    turns (on CUDA synchronised around each timed call)."""
+    """Time the target's tree forward here: a step's cost by tokens verified (chains of --sizes, over each of
+    --caches), and a 3-token tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of
+    --repeats, run in turns (on CUDA synchronised around each timed call)."""
     from heads.target import load_target
     from inference.tree import tree_from_choices
 
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
+    parser.add_argument("--caches", type=int, nargs="+", default=[256],
+                        help="cache lengths the sizes are timed over (the adaptive step cost's: 256 1536)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "both", "all"], default="measured",
@@ -210,9 +212,11 @@ def main(argv: list[str] | None = None) -> None:
         kernels = KernelChoice.measure(layers) if mode == "measured" else KernelChoice({1: mode})  # {1: k}: k always
         for layer in layers:
             layer.use(kernels)
-        by_size = medians(256, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
-        print(f"256-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
-              f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads}, {linear_kernel(model)} linear kernels)")
+        for cache_len in args.caches:
+            by_size = medians(cache_len, {str(n): ([[0] * d for d in range(1, n)], True) for n in args.sizes})
+            print(f"{cache_len}-token cache, ms by tokens verified: {' / '.join(by_size)} tokens: "
+                  f"{' / '.join(f'{ms:.1f}' for ms in by_size.values())} ms ({threads}, {linear_kernel(model)} linear "
+                  "kernels)")
     for prefix in (300, 1000, 1800):
         ms = medians(prefix, {"sdpa": ([[0], [1]], False), "gqa": ([[0], [1]], True)})
         print(f"{prefix}-token cache, 3-token tree step: sdpa {ms['sdpa']:.1f} ms, gqa {ms['gqa']:.1f} ms ({threads})")
