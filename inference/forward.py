@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--caches", type=int, nargs="+", default=[256],
-                        help="cache lengths the sizes are timed over (the adaptive step cost's: 256 1536)")
+                        help="cache lengths the sizes are timed over, e.g. 256 1536 (a long prompt)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "both", "all"], default="measured",
