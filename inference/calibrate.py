@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from inference.adapt import PRIOR_STEP_RATIO, StepCost
 from inference.cpu_linear import linear_kernel
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
@@ -41,7 +42,8 @@ CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # tree sizes timed; the 
 ROUNDS = 9  # rounds over all sizes; a median over 9 ignores spikes in up to 4 of them
 NOISE_LIMIT = 0.15  # above this relative median absolute deviation of all sizes' per-round ratios: too noisy
 FALLBACK_NODES = 2  # drafted nodes of the tree used when timings are too noisy (a 3-node tree: cheap on a CPU too)
-NEAR_BEST = 0.05  # sizes within this fraction of the best expected tokens/s count as tied: the largest is chosen
+NEAR_BEST = 0.05  # sizes within this fraction of the best expected tokens/s count as tied (see calibrate_tree)
+KEEP_MARGIN = 0.10  # a reference tree is kept unless more than this fraction below the best (see calibrate_tree)
 BUSY_LIMIT = 0.5  # CPU cores other processes used on average during the timings: above this, the machine is busy
 Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft", tree size, run) -> ms
 
@@ -68,7 +70,8 @@ class TreeCalibration:
     rounds: int
     noisy: bool  # too noisy or machine busy (chosen_by says which): choices is the fallback tree, not the measured best
     noise_limit: float
-    chosen_by: str  # "measurement", "measurement, the previous tree kept", "fallback: too noisy" or "...: machine busy"
+    chosen_by: str  # "measurement", "measurement, the previous tree kept", "measurement, the prior curve's tree kept",
+    # "fallback: too noisy" or "fallback: machine busy"
     other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
 
@@ -174,6 +177,16 @@ def relative_mad(values: Sequence[float]) -> float:
     return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else math.inf
 
 
+def prior_choices(choices_by_size: dict[int, list[list[int]]], accuracy: Sequence[Sequence[float]]) -> list[list[int]]:
+    """Of these trees, the one with the most expected accepted tokens per one-token step under the documented prior
+    step-cost curve (inference/adapt.py's PRIOR_STEP_RATIO, no draft cost): calibrate_tree's reference tree when no
+    earlier calibration is at hand. It depends on the accuracies alone, so every calibration of the same heads
+    starts from the same one."""
+    cost = StepCost(PRIOR_STEP_RATIO, draft={})
+    value = {size: expected_accept_length(c, accuracy) / cost.ratio(size) for size, c in choices_by_size.items()}
+    return choices_by_size[max(value, key=value.get)]
+
+
 def timed_rounds(runs: dict[tuple[str, int], Callable[[], None]], rounds: int, timer: Timer,
                  stop: Callable[[], bool] = lambda: False) -> dict[tuple[str, int], list[float]]:
     """Time every run once per round, round-robin, the order rotated by one each round; ms in round order. After
@@ -197,13 +210,16 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
                    fallback_nodes: int = FALLBACK_NODES,
                    busy_probe: Callable[[], tuple[float | None, float]] | None = None,
                    previous: Sequence[Sequence[int]] | None = None) -> TreeCalibration:
-    """Pick the tree size maximising expected tokens/s = expected accepted length / (verify + draft time); of the
-    sizes within NEAR_BEST of the maximum, the largest. The optimum is often flat over several sizes, and the
-    model undercounts larger trees: context lookup (inference/lookup.py) verifies chains as long as the tree's
-    node count, which the heads' accuracies do not predict. Where the optimum is flat, timing noise alone moves
-    which sizes fall within NEAR_BEST, so `previous` (the choices of an earlier calibration on this device, from
-    tree.json) is kept while it is still within NEAR_BEST of the best: calibrating again does not flip the tree
-    between near-equal sizes.
+    """Pick the tree size by expected tokens/s = expected accepted length / (verify + draft time). The optimum is
+    often flat over several sizes (on a CPU, 3 to 12 nodes within a few percent), so sizes within NEAR_BEST of the
+    maximum count as tied; but on a shared host one size's estimate moves by about as much between calibrations, so
+    which sizes fall within that band is noise. So a reference tree is kept unless the measurement puts it more than
+    KEEP_MARGIN (twice NEAR_BEST) below the best: `previous` (the choices of an earlier calibration on this device,
+    from tree.json), else the prior curve's tree (prior_choices: what the documented step-cost curve gives these
+    accuracies, inside a CPU's flat optimum), so calibrating again, or from scratch, does not flip the tree between
+    near-equal sizes. Where neither is kept (a GPU, where large trees cost about one step), the largest size within
+    NEAR_BEST of the best: the model undercounts larger trees, since context lookup (inference/lookup.py) verifies
+    chains as long as the tree's node count, which the heads' accuracies do not predict.
 
     The draft is timed with all Medusa heads, or, with `draft_for(choices) -> run` (EAGLE: drafting a dynamic
     tree of that size and depth), per size. Each size n is timed as one tree forward of n tokens over a cache of
@@ -270,14 +286,16 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
     busy = device.type == "cpu" and other_cores is not None and other_cores > BUSY_LIMIT
     noisy = pooled_spread > noise_limit or busy
-    kept = False
+    kept = ""
     if noisy:
         choices = best_choices(accuracy, fallback_nodes)
-    else:  # the largest size near the best, or the previous calibration's when it is still near: see the docstring
+    else:  # the previous tree, else the prior curve's, unless KEEP_MARGIN below the best; else the largest near it
         best = max(expected.values())
-        near = [s for s in expected if expected[s] >= (1 - NEAR_BEST) * best]
-        kept = previous is not None and [list(c) for c in previous] in [per_size_choices[s] for s in near]
-        choices = [list(c) for c in previous] if kept else per_size_choices[max(near)]
+        near = [per_size_choices[s] for s in sorted(expected) if expected[s] >= (1 - NEAR_BEST) * best]
+        keep = [per_size_choices[s] for s in sorted(expected) if expected[s] >= (1 - KEEP_MARGIN) * best]
+        references = [("previous", [list(c) for c in previous] if previous is not None else None),
+                      ("prior curve's", prior_choices(per_size_choices, accuracy))]
+        kept, choices = next(((name, ref) for name, ref in references if ref in keep), ("", near[-1]))
     size = len(choices) + 1
     draft_ms = one_ms * draft_ratio.get(0 if draft_for is None else size, 0.0)
     return TreeCalibration(
@@ -289,7 +307,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         expected_tokens_per_s=expected, accuracy_source=source, prefix_len=prefix_len, device=str(device),
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
         chosen_by=("fallback: machine busy" if busy else "fallback: too noisy" if noisy
-                   else "measurement, the previous tree kept" if kept else "measurement"),
+                   else f"measurement, the {kept} tree kept" if kept else "measurement"),
         other_cores=other_cores, choices_by_size=per_size_choices)
 
 
