@@ -29,5 +29,7 @@ DEMO ?= $(RUN)/demo
 demo: setup  ## self-distil (2 CPU processes) -> train Medusa-1 heads -> benchmark on held-out prompts -> summary
 	$(PYTHON) scripts/demo.py --output_dir $(DEMO)
 
+# Two worker processes (pytest-xdist), each test file on one of them: tests/test_docs.py's commands run in reading order
+# (one writes what the next reads). About 11 minutes on 2 CPU cores, 18 in one process.
 test: setup  ## the test suite (tiny models + a few end-to-end tests on the embedded target; no GPU, no network)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2 --dist loadfile
