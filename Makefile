@@ -30,6 +30,6 @@ demo: setup  ## self-distil (2 CPU processes) -> train Medusa-1 heads -> benchma
 	$(PYTHON) scripts/demo.py --output_dir $(DEMO)
 
 # Two worker processes (pytest-xdist), each test file on one of them: tests/test_docs.py's commands run in reading order
-# (one writes what the next reads). About 11 minutes on 2 CPU cores, 18 in one process.
+# (one writes what the next reads). Timings: docs/measured.md, "Test suite".
 test: setup  ## the test suite (tiny models + a few end-to-end tests on the embedded target; no GPU, no network)
 	$(PYTHON) -m pytest -q -n 2 --dist loadfile

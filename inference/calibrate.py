@@ -214,7 +214,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     often flat over several sizes (on a CPU, 3 to 12 nodes within a few percent), so sizes within NEAR_BEST of the
     maximum count as tied; but on a shared host one size's estimate moves by about as much between calibrations, so
     which sizes fall within that band is noise. So a reference tree is kept unless the measurement puts it more than
-    KEEP_MARGIN (twice NEAR_BEST) below the best: `previous` (the choices of an earlier calibration on this device,
+    KEEP_MARGIN below the best: `previous` (the choices of an earlier calibration on this device,
     from tree.json), else the prior curve's tree (prior_choices: what the documented step-cost curve gives these
     accuracies, inside a CPU's flat optimum), so calibrating again, or from scratch, does not flip the tree between
     near-equal sizes. Where neither is kept (a GPU, where large trees cost about one step), the largest size within
