@@ -195,6 +195,11 @@ def test_vllm_backend_loss_mask_is_exact_on_embedded_target(embedded_target, tmp
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [{"id": "a", "turns": ["Hi! How are you?", "What is your name?"]},
                                                        {"id": "b", "turns": ["Say hello."]}]))
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import heads.chat, accelerate, datasets"], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, (f"headstart, accelerate or datasets does not import in the vLLM venv ({VLLM_PYTHON}):"
+                                   " install them there (docs/serving.md, 'vLLM in its own virtual environment'): "
+                                   + probe.stderr[-300:])
     cmd = [VLLM_PYTHON, str(REPO / "train/selfdistill.py"), "--backend", "vllm", "--prompts", str(path),
            "--output_dir", str(tmp_path / "o"), "--max_new_tokens", "24", "--gpu_memory_utilization", "0.3"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)

