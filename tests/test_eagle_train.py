@@ -186,6 +186,27 @@ def test_draft_vocab_and_restricted_loss(llama_dir, sd_dir, one_thread):
             torch.testing.assert_close(loss, plain[0] + 0.8 * plain[1])
 
 
+def test_supervise_prompt_trains_on_every_position_and_evaluates_answers(llama_dir, sd_dir, one_thread):
+    """supervise_prompt: training batches supervise every real position t + 2 < T with the target's own distribution
+    at t + 1 (prompt and user turns too); evaluation batches (step None) keep the target-written positions."""
+    target, _, _ = load_target(str(llama_dir))
+    rows = [dict(r) for r in datasets.load_from_disk(str(sd_dir / "dataset")).select_columns(["input_ids", "loss_mask"])]
+    row = rows[0]
+    T = len(row["input_ids"])
+    assert 0 < sum(row["loss_mask"]) < T  # the row has prompt positions to add
+    batch = {"input_ids": torch.tensor([row["input_ids"]]), "attention_mask": torch.ones(1, T, dtype=torch.long),
+             "loss_mask": torch.tensor([row["loss_mask"]]), "rows": torch.tensor([0])}
+    full_logits = target(batch["input_ids"]).logits[0]  # [T, V]
+    draft = EagleDraft(eagle_config_for(target, "eagle3", 0, [1, 2, 3]))
+    answers = [t for t in range(T - 2) if row["loss_mask"][t + 2]]
+    for supervise, step, want in ((False, 0, answers), (True, 0, list(range(T - 2))), (True, None, answers)):
+        cfg = check_config(parse_config(EagleTrainConfig, ["--supervise_prompt", str(supervise).lower()]))
+        prep = prepare_batch(batch, FeatureSource(target, rows, [1, 2, 3]), target, draft, cfg, 0, step=step)
+        assert prep["t_index"].tolist() == want
+        assert prep["labels"].tolist() == [row["input_ids"][t + 2] for t in want]
+        torch.testing.assert_close(prep["probs"], torch.softmax(full_logits[prep["t_index"] + 1], -1))
+
+
 # ----------------------------------------------------------------------------------------------------
 # end to end
 

@@ -14,7 +14,9 @@ The run itself (data, schedule, resume, logging, checkpoints, heads directory) i
 
 Alignment (what inference does): draft position t reads the pair (feature f_t, token x_{t+1}) at position id t and
 predicts the target's next feature f_{t+1} and its distribution p_{t+1} = softmax(target logits at t+1), i.e. the
-token x_{t+2}. Position t is supervised iff t + 2 < T and loss_mask[t + 2] = 1 (the token is target-written).
+token x_{t+2}. Position t is supervised iff t + 2 < T and loss_mask[t + 2] = 1 (the token is target-written); with
+`supervise_prompt` every real position t + 2 < T in training (prompt and user turns too: the pair read and the
+target's feature and distribution there are as exact as on an answer), and held-out figures stay on loss_mask.
 
 EAGLE-1 (`method: eagle`): f_t is the target's final-norm hidden state; loss = feature_loss_weight * SmoothL1(f_hat,
 f_{t+1}) + prob_loss_weight * soft-CE(p_{t+1}, draft logits through the target's frozen lm_head), with uniform noise
@@ -80,6 +82,7 @@ class EagleTrainConfig(TrainRunConfig):
     norm_before_residual: Optional[bool] = None  # the residual around the attention is hidden_norm(feature)
     norm_output: Optional[bool] = None  # feed norm(output) back as the next step's feature
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
+    supervise_prompt: bool = False  # train on prompt and user-turn positions too (evaluation: answers only)
     # optimiser
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -157,14 +160,16 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: EagleDraft,
                   step: int | None) -> dict:
     """Target-side tensors of one micro-batch (no gradient). `step` None: no feature noise (evaluation).
 
-    select [B, T]: supervised draft positions t (t + 2 < T, loss_mask[t + 2] = 1); at its N positions: t_index [N],
+    select [B, T]: supervised draft positions t (t + 2 < T, loss_mask[t + 2] = 1; in training with supervise_prompt
+    attention_mask[t + 2] = 1); at its N positions: t_index [N],
     labels [N] (x_{t+2}), target_argmax [N], probs [N, draft_vocab] (target softmax at t+1, restricted to the draft
     vocabulary for EAGLE-3), in_vocab [N] (target argmax inside the draft vocabulary), feature_target [N, h] (f_{t+1}).
     """
     ids, attn = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
     taps, final = source.batch(batch)
-    labels, select = shifted_labels(ids, batch["loss_mask"], 2)
+    supervised = batch["attention_mask"] if cfg.supervise_prompt and step is not None else batch["loss_mask"]
+    labels, select = shifted_labels(ids, supervised, 2)
     next_final = final[:, 1:][select[:, :-1]]  # [N, h]: the target's state at t+1 (select is False at T-2, T-1)
     lm_head_weight = target.get_output_embeddings().weight  # [V, h]
     argmax, chunks = [], []
