@@ -199,6 +199,8 @@ def test_supervise_prompt_trains_on_every_position_and_evaluates_answers(llama_d
     full_logits = target(batch["input_ids"]).logits[0]  # [T, V]
     draft = EagleDraft(eagle_config_for(target, "eagle3", 0, [1, 2, 3]))
     answers = [t for t in range(T - 2) if row["loss_mask"][t + 2]]
+    assert check_config(parse_config(EagleTrainConfig, [])).supervise_prompt  # EAGLE-3's default
+    assert not check_config(parse_config(EagleTrainConfig, ["--method", "eagle"])).supervise_prompt
     for supervise, step, want in ((False, 0, answers), (True, 0, list(range(T - 2))), (True, None, answers)):
         cfg = check_config(parse_config(EagleTrainConfig, ["--supervise_prompt", str(supervise).lower()]))
         prep = prepare_batch(batch, FeatureSource(target, rows, [1, 2, 3]), target, draft, cfg, 0, step=step)

@@ -82,7 +82,8 @@ class EagleTrainConfig(TrainRunConfig):
     norm_before_residual: Optional[bool] = None  # the residual around the attention is hidden_norm(feature)
     norm_output: Optional[bool] = None  # feed norm(output) back as the next step's feature
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
-    supervise_prompt: bool = False  # train on prompt and user-turn positions too (evaluation: answers only)
+    supervise_prompt: Optional[bool] = None  # train on prompt and user-turn positions too (evaluation: answers
+    # only); None: eagle3 on (higher held-out acceptance, docs/heads_training.md), eagle off (not measured)
     # optimiser
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -107,7 +108,9 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
                           "use method: eagle3")
     if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
-    return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt), **norms)
+    supervise_prompt = cfg.supervise_prompt if cfg.supervise_prompt is not None else eagle3
+    return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt),
+                               supervise_prompt=supervise_prompt, **norms)
 
 
 def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, seed: int, step: int) -> torch.Tensor:
