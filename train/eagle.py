@@ -171,7 +171,7 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: EagleDraft,
     ids, attn = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
     taps, final = source.batch(batch)
-    supervised = batch["attention_mask"] if cfg.supervise_prompt and step is not None else batch["loss_mask"]
+    supervised = attn if cfg.supervise_prompt and step is not None else batch["loss_mask"]
     labels, select = shifted_labels(ids, supervised, 2)
     next_final = final[:, 1:][select[:, :-1]]  # [N, h]: the target's state at t+1 (select is False at T-2, T-1)
     lm_head_weight = target.get_output_embeddings().weight  # [V, h]
