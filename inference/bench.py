@@ -3,13 +3,15 @@
     python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
         [--tree auto|default|PATH|CHOICES] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
-        [--adaptive on|off|both] [--target NAME_OR_PATH] [--threads N]
+        [--adaptive on|off|both] [--target NAME_OR_PATH] [--threads N] [--rounds N]
 
 Every heads directory must belong to the same target (checked by the weight fingerprint recorded in
 its config.json); the target is loaded once and shared. Each prompt is the row's first user turn
 (with the row's system message, if any) rendered with the target's chat template. For every prompt the
 methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1, heads 1 +lookup, heads 2, ...),
-after one uncounted warm-up round on the first prompt. Heads rows draft adaptively (the Speculator's default,
+after one uncounted warm-up round on the first prompt; with --rounds N each prompt goes through the methods N times in
+turn and each method keeps its fastest run of that prompt (greedy output is the same every round; load from other
+processes only ever slows a run, so the fastest is the steadiest figure on a shared machine). Heads rows draft adaptively (the Speculator's default,
 inference/adapt.py): each step verifies a plain step, a heads tree, branches found in the context, or both merged,
 whichever this generation's acceptance so far says pays most; "+lookup" rows may use the context, rows without it
 are the heads alone (plain steps where they do not pay); "... fixed" rows (--adaptive both/off) verify the fixed
@@ -118,6 +120,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "(fixed rows named '... fixed')")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice); "
                         "on a busy shared CPU 1 thread is much steadier (oversubscribed OpenMP threads spin)")
+    parser.add_argument("--rounds", type=int, default=1, help="timed rounds per prompt, interleaved; each method "
+                        "keeps its fastest run of each prompt (steadier figures on a shared machine, N times longer)")
     parser.add_argument("--target", default=None, help="load this target instead of the one the heads name "
                                                         "(it must have the same fingerprint)")
     parser.add_argument("--exact", choices=["off", "on", "both"], default="off",
@@ -138,6 +142,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchError("--prompt_lookup_num_tokens must be at least 1 (or pass --no_prompt_lookup)")
     if args.threads is not None and args.threads < 1:
         raise BenchError(f"--threads must be at least 1, got {args.threads}")
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be at least 1, got {args.rounds}")
 
 
 def load_speculators(entries: Sequence[HeadsEntry], target_name: str, args: argparse.Namespace,
@@ -170,16 +176,29 @@ def bench_methods(args: argparse.Namespace, entries: Sequence[HeadsEntry], specs
     return methods
 
 
-def time_methods(methods: Sequence[Method], prompts: Sequence[Prompt], max_new_tokens: int) -> dict[str, list[Run]]:
-    """One uncounted warm-up round on the first prompt, then every prompt through the methods in turn
-    -> {method name: a Run per prompt}."""
+def time_methods(methods: Sequence[Method], prompts: Sequence[Prompt], max_new_tokens: int,
+                 rounds: int = 1) -> dict[str, list[Run]]:
+    """One uncounted warm-up round on the first prompt, then every prompt through the methods in turn, `rounds`
+    times -> {method name: the fastest Run per prompt}. A method whose tokens change between rounds is an error:
+    its runs would not time the same work."""
     runs: dict[str, list[Run]] = {m.name: [] for m in methods}
     for m in methods:
         m.run(prompts[0].ids, min(max_new_tokens, WARMUP_TOKENS))
     bar = tqdm(prompts, desc="bench", unit="prompt", file=sys.stderr)
     for prompt in bar:
+        fastest: dict[str, Run] = {}
+        for round_index in range(rounds):
+            for m in methods:
+                run = m.run(prompt.ids, max_new_tokens)
+                kept = fastest.get(m.name)
+                if kept is not None and run.tokens != kept.tokens:
+                    raise BenchError(f"{m.name} decoded prompt {prompt.row.id!r} differently in round "
+                                     f"{round_index + 1} than before: its output is not deterministic here, so its "
+                                     "rounds do not time the same work; use --rounds 1")
+                if kept is None or run.seconds < kept.seconds:
+                    fastest[m.name] = run
         for m in methods:
-            runs[m.name].append(m.run(prompt.ids, max_new_tokens))
+            runs[m.name].append(fastest[m.name])
         vanilla_tps = tokens_per_s(runs["vanilla"])
         bar.set_postfix({m.name: f"{ratio(tokens_per_s(runs[m.name]), vanilla_tps) or 0:.2f}x" for m in methods[1:]})
     return runs
@@ -243,7 +262,8 @@ def bench_settings(args: argparse.Namespace, command: str, device: torch.device,
         "heads_lookup": args.lookup, "adaptive": args.adaptive,
         "exact": args.exact,
         "rows_invariant": rows_invariant(model, max(s.tree_size for s in specs)) if args.exact != "off" else None,
-        "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "order": [m.name for m in methods],
+        "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "timed_rounds": args.rounds,
+        "order": [m.name for m in methods],
         "neutralised_generation_config": altered,
     }
 
@@ -270,7 +290,7 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
     methods = bench_methods(args, entries, specs, model, meter, device, stops, pad_id)
     try:
         with plain_generation_config(model, stops, pad_id), torch.no_grad():
-            runs = time_methods(methods, prompts, args.max_new_tokens)
+            runs = time_methods(methods, prompts, args.max_new_tokens, args.rounds)
             analyse_mismatches(methods, prompts, runs, model.dtype)
     finally:
         meter.remove()

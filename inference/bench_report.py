@@ -54,11 +54,13 @@ def mismatch_table(results: dict) -> list[str]:
 
 def markdown(results: dict) -> str:
     st = results["settings"]
+    rounds = st.get("timed_rounds", 1)
+    timing = "interleaved" if rounds == 1 else f"interleaved, fastest of {rounds} rounds"
     lines = [f"Command: `{st['command']}`", "",
              f"Target `{st['target']['name']}` (fingerprint {st['target']['fingerprint']}), {st['device']} "
              f"{st['dtype']} (torch threads: {st['torch_threads']}), prompts `{st['prompts']}` x "
              f"{st['num_prompts_used']}, max_new_tokens "
-             f"{st['max_new_tokens']}, batch 1, interleaved, torch {st['torch']}, transformers {st['transformers']}, "
+             f"{st['max_new_tokens']}, batch 1, {timing}, torch {st['torch']}, transformers {st['transformers']}, "
              f"{st['date']}", "",
              "| method | tau | tokens/s | speedup | efficiency | draft / verify / other | identical to vanilla "
              "| tree |",

@@ -10,9 +10,10 @@ import torch
 
 from heads.chat import prompt_ids, stop_token_ids
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.prompt_rows import PromptRow
 from heads.target import load_target
-from inference.bench import main
-from inference.bench_inputs import read_prompt_rows
+from inference.bench import main, time_methods
+from inference.bench_inputs import BenchError, Prompt, read_prompt_rows
 from inference.bench_methods import Method, Run
 from inference.bench_report import markdown
 from inference.bench_summary import summarise_all, versus_best_other
@@ -184,13 +185,39 @@ def test_no_prompt_lookup_and_one_heads_dir_via_training_output_dir(setup, tmp_p
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"prompt": "Once upon a time"}) + "\n")
     rc = main(["--heads", str(heads_a.parent), "--prompts", str(plain), "--num_prompts", "5", "--max_new_tokens",
-               "8", "--output", str(tmp_path / "o"), "--no_prompt_lookup", "--lookup", "off"])
+               "8", "--output", str(tmp_path / "o"), "--no_prompt_lookup", "--lookup", "off", "--rounds", "2"])
     assert rc == 0
     res = json.loads((tmp_path / "o" / "results.json").read_text())
     assert list(res["methods"]) == ["vanilla", "heads"] and res["categories"] == {}
     assert res["settings"]["num_prompts_used"] == 1 and res["settings"]["prompt_lookup_num_tokens"] is None
+    assert res["settings"]["timed_rounds"] == 2 and res["prompts"][0]["runs"]["heads"]["identical"]
     printed = capsys.readouterr().out
-    assert "| method | tau |" in printed and "| heads |" in printed
+    assert "| method | tau |" in printed and "| heads |" in printed and "fastest of 2 rounds" in printed
+
+
+def test_rounds_keep_each_methods_fastest_run_of_each_prompt_and_refuse_changing_output():
+    prompts = [Prompt(PromptRow(id=f"p{i}", turns=["hi"]), ids=[1, 2]) for i in range(2)]
+    # per method, the seconds its successive calls take: warm-up, then prompt 0 rounds 1-3, prompt 1 rounds 1-3
+    seconds = {"vanilla": [9.0, 3.0, 2.0, 4.0, 5.0, 6.0, 1.5], "heads": [9.0, 1.0, 0.5, 0.7, 2.0, 0.9, 3.0]}
+    order = []
+
+    def scripted_method(name: str, tokens: list[list[int]]) -> Method:
+        calls = iter(zip(seconds[name], tokens))
+
+        def run(ids: list[int], max_new_tokens: int) -> Run:
+            s, t = next(calls)
+            order.append(name)
+            return Run(t, s, decode_forwards=len(t), draft_s=0.0, verify_s=s, prefill_s=0.0, step_s=s)
+        return Method(name, name, run=run)
+
+    same = [[4]] + [[5, 6]] * 3 + [[7]] * 3
+    runs = time_methods([scripted_method("vanilla", same), scripted_method("heads", same)], prompts, 4, rounds=3)
+    assert order == ["vanilla", "heads"] * 7  # interleaved: every round of a prompt runs each method in turn
+    assert [r.seconds for r in runs["vanilla"]] == [2.0, 1.5] and [r.seconds for r in runs["heads"]] == [0.5, 0.9]
+    assert [r.tokens for r in runs["heads"]] == [[5, 6], [7]]
+    changing = [[4], [5, 6], [5, 6], [5, 9]] + [[7]] * 3
+    with pytest.raises(BenchError, match=r"heads decoded prompt 'p0' differently in round 3.*--rounds 1"):
+        time_methods([scripted_method("vanilla", same), scripted_method("heads", changing)], prompts, 4, rounds=3)
 
 
 def test_errors(setup, tiny_target_dir, tmp_path, capsys):
@@ -210,6 +237,7 @@ def test_errors(setup, tiny_target_dir, tmp_path, capsys):
     assert "different targets" in msg and "0123456789abcdef" in msg
     assert "--num_prompts must be at least 1" in error(["--heads", str(heads_a), "--num_prompts", "0", *base])
     assert "--threads must be at least 1" in error(["--heads", str(heads_a), "--threads", "0", *base])
+    assert "--rounds must be at least 1" in error(["--heads", str(heads_a), "--rounds", "0", *base])
     assert "fingerprint" in error(["--heads", str(other), *base])  # recorded fingerprint != the loaded target's
     if not torch.cuda.is_available():
         assert "no CUDA device" in error(["--heads", str(heads_a), "--device", "cuda", *base])
