@@ -40,8 +40,6 @@ def test_answers_do_not_depend_on_rows_beside_them(one_thread):
         decoder.max_rows = max_rows
         assert decoder.generate(prompts, seeds=list(range(10))) == alone
     assert decoder.generate(prompts[3:5], seeds=[3, 4]) == alone[3:5]
-    torch.set_num_threads(2)
-    assert decoder.generate(prompts, seeds=list(range(10))) == alone
 
 
 def test_rows_decoded_together_are_capped_by_the_cache_size(one_thread):

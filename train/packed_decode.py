@@ -15,8 +15,9 @@ differently by the number of rows beside it (and by thread count), and padding c
 order. Here every linear layer runs through oneDNN over a weight reordered once (inference/cpu_linear.py's CpuLinear
 with oneDNN for every row count), whose result for a row is the same for any 2 or more rows and any thread count (a
 one-token step is padded with a dummy token to 2 rows; the lm_head gets at least 2 rows), and attention sees exactly
-the row's own keys. So a conversation's tokens are a function of its prompt and seed only: not of the batch, the
-process count, `max_rows` or the threads. Elsewhere (GPU, bf16) the default kernels run and rows may differ in
+the row's own keys. So a conversation's tokens are a function of its prompt, its seed and the thread count: not of
+the batch, the process count or `max_rows`. (PyTorch's CPU attention rounds a one-token query differently at 1 and 2
+threads, so runs at different thread counts can part at a near-tie.) Elsewhere (GPU, bf16) the default kernels run and rows may differ in
 near-ties by batch composition.
 
 The model is any transformers causal LM whose attention layers go through transformers' attention interface
