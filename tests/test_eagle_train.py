@@ -25,6 +25,7 @@ from train.data import DataError, supervised_token_counts
 from train.eagle import EagleTrainConfig, check_config, draft_loss, init_from_target, main, prepare_batch, step_valid
 from train.eagle_unroll import unroll
 from train.features import FeatureSource, cache_bytes, target_features
+from train.muon import MuonAdamW, orthogonalise
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -261,9 +262,38 @@ def test_qwen2_target_and_layer_init(tmp_path, one_thread):
     torch.testing.assert_close(fresh.norm.weight, target.model.norm.weight, rtol=0, atol=0)
 
 
-def test_resume_is_exact(llama_dir, sd_dir, tmp_path, one_thread):
+def test_muon_orthogonalises_matrix_updates_and_keeps_adamw_for_the_rest():
+    torch.manual_seed(0)
+    u, _, v = torch.linalg.svd(torch.randn(12, 20), full_matrices=False)
+    grad = u @ torch.diag(torch.logspace(0, -2, 12)) @ v  # singular values 1 .. 0.01
+    for g in (grad, grad.T):  # wide and tall
+        sv = torch.linalg.svdvals(orthogonalise(g))
+        assert orthogonalise(g).shape == g.shape and sv.min() > 0.6 and sv.max() < 1.2  # from a condition number of 100
+    matrix, bias = torch.nn.Parameter(torch.randn(12, 20)), torch.nn.Parameter(torch.randn(7))
+    reference = torch.nn.Parameter(bias.detach().clone())
+    start = matrix.detach().clone()
+    opt = MuonAdamW([{"params": [matrix], "muon": True}, {"params": [bias]}], lr=0.01, betas=(0.9, 0.95),
+                    weight_decay=0.0)
+    adamw = torch.optim.AdamW([reference], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0)
+    for step in range(3):
+        g = torch.randn(7)
+        matrix.grad, bias.grad, reference.grad = grad.clone(), g.clone(), g.clone()
+        opt.step()
+        adamw.step()
+        if step == 0:  # momentum = grad, Nesterov = 1.95 grad; decoupled decay 0.1; RMS scale 0.2 sqrt(20)
+            want = start * (1 - 0.01 * 0.1) - 0.01 * 0.2 * 20 ** 0.5 * orthogonalise(1.95 * grad)
+            torch.testing.assert_close(matrix.detach(), want)
+    torch.testing.assert_close(bias.detach(), reference.detach())  # the AdamW group is AdamW
+    with pytest.raises(ValueError, match="2-D weight matrices only"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "muon": True}], lr=0.1, betas=(0.9, 0.9),
+                  weight_decay=0.0)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_exact(llama_dir, sd_dir, tmp_path, optimizer, one_thread):
     """Killed after step 5 (checkpoints every 2), resumed: bit-identical weights to an uninterrupted run (noise on)."""
-    common = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2", "--feature_noise", "0.05"]
+    common = ["--max_steps", "8", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2", "--feature_noise", "0.05",
+              "--optimizer", optimizer]
     main(args(llama_dir, sd_dir, tmp_path / "full", "eagle3", *common))
     main(args(llama_dir, sd_dir, tmp_path / "cut", "eagle3", *common, "--stop_after_steps", "5"))
     assert not (tmp_path / "cut" / "heads").exists()
@@ -452,6 +482,10 @@ def test_bad_configs_fail(tmp_path):
         check_config(parse_config(EagleTrainConfig, ["--method", "eagle", "--draft_vocab_size", "100"]))
     with pytest.raises(ConfigError, match="method"):
         check_config(parse_config(EagleTrainConfig, ["--method", "eagle2"]))
+    with pytest.raises(ConfigError, match="optimizer must be adamw or muon"):
+        check_config(parse_config(EagleTrainConfig, ["--optimizer", "sgd"]))
+    with pytest.raises(ConfigError, match="muon: method eagle3"):
+        check_config(parse_config(EagleTrainConfig, ["--method", "eagle", "--optimizer", "muon"]))
     with pytest.raises(ConfigError, match="exclude"):
         check_config(parse_config(EagleTrainConfig, ["--feature_cache", "true", "--feature_cache_dir", str(tmp_path)]))
     recipe = tmp_path / "r.yaml"

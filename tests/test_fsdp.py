@@ -144,6 +144,15 @@ def test_deepspeed_zero2_trains_the_heads_of_one_process(tiny_target_dir, sd_dir
     assert diff <= TOLERANCE
 
 
+def test_muon_under_fsdp_is_refused_with_the_fix(tiny_target_dir, sd_dir, tmp_path, launch):
+    proc = launch.start([*launcher(29561), REPO / "train" / "eagle.py",
+                         *argv("eagle3", tiny_target_dir, sd_dir, tmp_path / "o", 1, "--max_steps", "2", "--optimizer",
+                               "muon")], env=ENV, cwd=tmp_path)
+    output, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0 and "optimizer muon orthogonalises whole weight matrices" in output
+    assert "use optimizer adamw" in output and not (tmp_path / "o" / "heads").exists()
+
+
 def test_fsdp1_on_cpu_is_refused(monkeypatch):
     """FSDP1 needs GPUs: an FSDP launch of CPU processes must ask for FSDP2, or fail saying so (never run unsharded)."""
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")

@@ -85,6 +85,8 @@ class EagleTrainConfig(TrainRunConfig):
     supervise_prompt: Optional[bool] = None  # train on prompt and user-turn positions too (evaluation: answers
     # only); None: eagle3 on (higher held-out acceptance, docs/heads_training.md), eagle off (not measured)
     # optimiser
+    optimizer: str = "adamw"  # adamw | muon (eagle3: Muon on the draft's fc and decoder-layer matrices, AdamW on the
+    # lm_head, norms and biases; train/muon.py)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
 
@@ -106,11 +108,25 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     if not eagle3 and any(norms.values()):
         raise ConfigError(f"{', '.join(n for n in NORM_FLAGS if norms[n])}: EAGLE-3 draft options; set them false or "
                           "use method: eagle3")
+    if cfg.optimizer not in ("adamw", "muon") or (cfg.optimizer == "muon" and not eagle3):
+        raise ConfigError(f"optimizer must be adamw or muon (muon: method eagle3), got {cfg.optimizer!r}")
     if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
     supervise_prompt = cfg.supervise_prompt if cfg.supervise_prompt is not None else eagle3
     return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt),
                                supervise_prompt=supervise_prompt, **norms)
+
+
+def param_groups(draft: EagleDraft, optimizer: str) -> list[dict]:
+    """adamw: one group. muon: the fc and decoder-layer weight matrices in a Muon group, the rest (lm_head, norms,
+    biases) in an AdamW group."""
+    if optimizer != "muon":
+        return [{"params": list(draft.parameters())}]
+    muon, adamw = [], []
+    for name, p in draft.named_parameters():
+        matrix = p.ndim == 2 and (name.startswith("fc.") or name.startswith("layers."))
+        (muon if matrix else adamw).append(p)
+    return [{"params": muon, "muon": True}, {"params": adamw}]
 
 
 def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, seed: int, step: int) -> torch.Tensor:
@@ -390,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
             fields["feature_loss"] = [round(float(c), 6) for c in means["feature"]]
         return fields
 
-    trained = train(run, UnrolledDraft(draft), [{"params": list(draft.parameters())}], step_fn,
+    trained = train(run, UnrolledDraft(draft), param_groups(draft, cfg.optimizer), step_fn,
                     betas=(cfg.adam_beta1, cfg.adam_beta2))
     if not trained.finished:
         return {"step": trained.step}

@@ -39,6 +39,7 @@ from heads.target import load_target
 from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
 from train.config import ConfigError, TrainRunConfig, build_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
+from train.muon import MuonAdamW
 from train.sharding import count_deepspeed_processes_on_cpu, describe_sharding, enable_fsdp_on_cpu, use_cpu_flag
 
 # ----------------------------------------------------------------------------------------------------
@@ -198,7 +199,7 @@ class Trained:
 
 
 def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: tuple[float, float] = (0.9, 0.999)) -> Trained:
-    """AdamW + cosine schedule with warmup over `param_groups`, resumed from the newest checkpoint with --resume.
+    """AdamW (Muon for groups marked "muon", train/muon.py) + cosine schedule with warmup over `param_groups`, resumed from the newest checkpoint with --resume.
 
     step_fn(model, micro, step) runs one optimizer step's forwards and backwards (see `accumulate`) on `micro` (the
     gradient_accumulation_steps batches of this process, on its device) and returns the step's log fields (global
@@ -214,8 +215,14 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         raise DataError(f"{len(run.train_rows)} training rows are fewer than one optimizer step needs "
                         f"({global_batch} rows per batch x {accum} accumulation steps)")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
-                                  fused=accelerator.device.type in ("cpu", "cuda"))
+    if any(group.get("muon") for group in param_groups):  # EAGLE-3's optimizer: muon (train/muon.py)
+        if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+            raise ConfigError("optimizer muon orthogonalises whole weight matrices, which FSDP and DeepSpeed shard: "
+                              "use optimizer adamw with them, or plain data parallel (accelerate launch --multi_gpu)")
+        optimizer = MuonAdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
+                                      fused=accelerator.device.type in ("cpu", "cuda"))
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # no dataloader is prepared to tell it
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_batch_size
