@@ -199,7 +199,8 @@ class Trained:
 
 
 def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: tuple[float, float] = (0.9, 0.999)) -> Trained:
-    """AdamW (Muon for groups marked "muon", train/muon.py) + cosine schedule with warmup over `param_groups`, resumed from the newest checkpoint with --resume.
+    """AdamW (Muon for groups marked "muon", train/muon.py) + cosine schedule with warmup over `param_groups`,
+    resumed from the newest checkpoint with --resume.
 
     step_fn(model, micro, step) runs one optimizer step's forwards and backwards (see `accumulate`) on `micro` (the
     gradient_accumulation_steps batches of this process, on its device) and returns the step's log fields (global

@@ -5,7 +5,7 @@ momentum made orthogonal by a quintic Newton-Schulz iteration (the update's sing
 by 0.2 x sqrt(max(rows, cols)) so its RMS matches a typical AdamW update's and one learning rate serves both, with
 decoupled weight decay. Groups marked `"muon": True` take it (their tensors must be 2-D); every other group takes AdamW
 (decoupled weight decay, bias-corrected moments). The iteration runs in fp32: PyTorch's own `torch.optim.Muon`
-orthogonalises in bf16, 6x slower a step than the whole training step on a CPU without bf16 matmuls.
+orthogonalises in bf16, which makes a training step several times longer on a CPU without bf16 matmuls.
 One optimizer, so the learning-rate schedule, accelerate and the checkpoints see its param_groups as AdamW's.
 """
 
