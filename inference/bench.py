@@ -11,11 +11,12 @@ its config.json); the target is loaded once and shared. Each prompt is the row's
 methods run one after another in a fixed order (vanilla, prompt-lookup, heads 1, heads 1 +lookup, heads 2, ...),
 after one uncounted warm-up round on the first prompt; with --rounds N each prompt goes through the methods N times in
 turn and each method keeps its fastest run of that prompt (greedy output is the same every round; load from other
-processes only ever slows a run, so the fastest is the steadiest figure on a shared machine). Heads rows draft adaptively (the Speculator's default,
-inference/adapt.py): each step verifies a plain step, a heads tree, branches found in the context, or both merged,
-whichever this generation's acceptance so far says pays most; "+lookup" rows may use the context, rows without it
-are the heads alone (plain steps where they do not pay); "... fixed" rows (--adaptive both/off) verify the fixed
-tree every step, a context chain of its node count instead when the context repeats. "prompt_lookup" is HF's
+processes only ever slows a run, so the fastest is the steadiest figure on a shared machine). Heads rows draft
+adaptively (the Speculator's default, inference/adapt.py): each step verifies a plain step, a heads tree, branches
+found in the context, or both merged, whichever this generation's acceptance so far says pays most; "+lookup" rows
+may use the context, rows without it are the heads alone (plain steps where they do not pay); "... fixed" rows
+(--adaptive both/off) verify the fixed tree every step, a context chain of its node count instead when the context
+repeats. "prompt_lookup" is HF's
 prompt-lookup decoding.
 "exact" rows verify each tree node with a one-token step's attention (inference/forward.py), the option that
 keeps half-precision greedy output plain greedy's.
