@@ -3,8 +3,8 @@
 Muon (Jordan et al. 2024; speculators trains its EAGLE-3 drafts with it): a 2-D parameter's update is its Nesterov
 momentum made orthogonal by a quintic Newton-Schulz iteration (the update's singular values pushed towards 1), scaled
 by 0.2 x sqrt(max(rows, cols)) so its RMS matches a typical AdamW update's and one learning rate serves both, with
-decoupled weight decay. Groups marked `"muon": True` take it (their tensors must be 2-D); every other group takes AdamW
-(decoupled weight decay, bias-corrected moments). The iteration runs in fp32: PyTorch's own `torch.optim.Muon`
+decoupled weight decay. Groups marked `"muon": True` take it (their tensors must be 2-D); every other group takes torch's
+AdamW update (its functional `adamw`, the same state). The iteration runs in fp32: PyTorch's own `torch.optim.Muon`
 orthogonalises in bf16, which makes a training step several times longer on a CPU without bf16 matmuls.
 One optimizer, so the learning-rate schedule, accelerate and the checkpoints see its param_groups as AdamW's.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz, steepest at zero (Muon's published values)
 NS_STEPS = 5
@@ -50,30 +51,36 @@ class MuonAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                p.mul_(1 - lr * wd)
-                if group["muon"]:
-                    if not state:
-                        state["momentum"] = torch.zeros_like(p)
-                    buf = state["momentum"]
-                    buf.mul_(MUON_MOMENTUM).add_(p.grad)
-                    nesterov = p.grad + MUON_MOMENTUM * buf
-                    scale = 0.2 * math.sqrt(max(p.shape))
-                    p.add_(orthogonalise(nesterov).to(p.dtype), alpha=-lr * scale)
-                else:
-                    beta1, beta2 = group["betas"]
-                    if not state:
-                        state["step"] = torch.zeros(())
-                        state["exp_avg"] = torch.zeros_like(p)
-                        state["exp_avg_sq"] = torch.zeros_like(p)
-                    state["step"] += 1
-                    t = float(state["step"])
-                    state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
-                    state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-                    denom = (state["exp_avg_sq"] / (1 - beta2 ** t)).sqrt_().add_(group["eps"])
-                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["muon"]:
+                self._muon_step(group, params)
+            else:
+                self._adamw_step(group, params)
         return None
+
+    def _muon_step(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr = group["lr"]
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["momentum"] = torch.zeros_like(p)
+            buf = state["momentum"]
+            p.mul_(1 - lr * group["weight_decay"])
+            buf.mul_(MUON_MOMENTUM).add_(p.grad)
+            nesterov = p.grad + MUON_MOMENTUM * buf
+            scale = 0.2 * math.sqrt(max(p.shape))
+            p.add_(orthogonalise(nesterov).to(p.dtype), alpha=-lr * scale)
+
+    def _adamw_step(self, group: dict, params: list[torch.Tensor]) -> None:
+        """torch's own AdamW update (its functional form), with its state names, so the group is AdamW exactly."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros(())
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+              [], [s["step"] for s in states], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
