@@ -9,11 +9,13 @@ import os
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.utils import DistributedType
 from transformers import DynamicCache
 
 from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
@@ -22,7 +24,8 @@ from heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
 from train.config import ConfigError, parse_config
 from train.data import DataError, supervised_token_counts
-from train.eagle import EagleTrainConfig, check_config, draft_loss, init_from_target, main, prepare_batch, step_valid
+from train.eagle import (EagleTrainConfig, check_config, draft_loss, init_from_target, main, optimizer_for,
+                         prepare_batch, step_valid)
 from train.eagle_unroll import unroll
 from train.features import FeatureSource, cache_bytes, target_features
 from train.muon import MuonAdamW, orthogonalise
@@ -231,7 +234,9 @@ def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, method, 
     assert 0 < metrics["chain_accepted_tokens"] <= 3
     heads_dir = tmp_path / "heads"
     assert {"config.json", "model.safetensors", "README.md", "metrics.json"} <= {p.name for p in heads_dir.iterdir()}
-    assert json.loads((heads_dir / "metrics.json").read_text())["top1"] == metrics["top1"]
+    saved = json.loads((heads_dir / "metrics.json").read_text())
+    assert saved["top1"] == metrics["top1"]
+    assert saved["config"]["optimizer"] == ("muon" if method == "eagle3" else "adamw")  # each method's default
     _, _, info = load_target(str(llama_dir))
     draft = load_heads(heads_dir, info)
     assert draft.config.method == method and info.fingerprint in (heads_dir / "README.md").read_text()
@@ -287,6 +292,23 @@ def test_muon_orthogonalises_matrix_updates_and_keeps_adamw_for_the_rest():
     with pytest.raises(ValueError, match="2-D weight matrices only"):
         MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "muon": True}], lr=0.1, betas=(0.9, 0.9),
                   weight_decay=0.0)
+
+
+def test_optimizer_default_is_muon_for_eagle3_unless_the_matrices_are_sharded(capsys):
+    def accelerator(kind: DistributedType):
+        return SimpleNamespace(distributed_type=kind, print=print)
+
+    eagle3, eagle = (check_config(parse_config(EagleTrainConfig, ["--method", m])) for m in ("eagle3", "eagle"))
+    assert eagle3.optimizer is None and eagle.optimizer is None
+    assert optimizer_for(eagle3, accelerator(DistributedType.NO)) == "muon"
+    assert optimizer_for(eagle3, accelerator(DistributedType.MULTI_CPU)) == "muon"  # plain data parallel
+    assert capsys.readouterr().out == ""
+    for sharded in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        assert optimizer_for(eagle3, accelerator(sharded)) == "adamw"
+        assert f"optimizer: adamw, as {sharded.value} shards" in capsys.readouterr().out
+    assert optimizer_for(eagle, accelerator(DistributedType.NO)) == "adamw"
+    chosen = check_config(parse_config(EagleTrainConfig, ["--method", "eagle3", "--optimizer", "adamw"]))
+    assert optimizer_for(chosen, accelerator(DistributedType.NO)) == "adamw"  # an explicit choice stays
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])

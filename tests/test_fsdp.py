@@ -33,7 +33,8 @@ METHODS = {
     "medusa": ("medusa.py", medusa_main, ["--config", REPO / "recipes/smollm2-135m/medusa.yaml"]),
     "medusa2": ("medusa.py", medusa_main, ["--config", REPO / "recipes/smollm2-135m/medusa2.yaml"]),
     "eagle3": ("eagle.py", eagle_main, ["--config", REPO / "recipes/smollm2-135m/eagle3.yaml",
-                                        "--feature_layers", "0", "1", "2"]),  # 2 layers: the default taps do not exist
+                                        "--feature_layers", "0", "1", "2",  # 2 layers: the default taps do not exist
+                                        "--optimizer", "adamw"]),  # what FSDP runs; one process would take muon
 }
 
 

@@ -50,6 +50,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
 from train.cli import run_main
@@ -85,8 +86,9 @@ class EagleTrainConfig(TrainRunConfig):
     supervise_prompt: Optional[bool] = None  # train on prompt and user-turn positions too (evaluation: answers
     # only); None: eagle3 on (higher held-out acceptance, docs/heads_training.md), eagle off (not measured)
     # optimiser
-    optimizer: str = "adamw"  # adamw | muon (eagle3: Muon on the draft's fc and decoder-layer matrices, AdamW on the
-    # lm_head, norms and biases; train/muon.py)
+    optimizer: Optional[str] = None  # adamw | muon (eagle3: Muon on the draft's fc and decoder-layer matrices, AdamW on
+    # the lm_head, norms and biases; train/muon.py). None: eagle3 muon (higher held-out acceptance,
+    # docs/heads_training.md), adamw where FSDP or DeepSpeed shard the matrices; eagle adamw
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
 
@@ -108,13 +110,27 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
     if not eagle3 and any(norms.values()):
         raise ConfigError(f"{', '.join(n for n in NORM_FLAGS if norms[n])}: EAGLE-3 draft options; set them false or "
                           "use method: eagle3")
-    if cfg.optimizer not in ("adamw", "muon") or (cfg.optimizer == "muon" and not eagle3):
+    if cfg.optimizer not in (None, "adamw", "muon") or (cfg.optimizer == "muon" and not eagle3):
         raise ConfigError(f"optimizer must be adamw or muon (muon: method eagle3), got {cfg.optimizer!r}")
     if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
     supervise_prompt = cfg.supervise_prompt if cfg.supervise_prompt is not None else eagle3
     return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt),
                                supervise_prompt=supervise_prompt, **norms)
+
+
+def optimizer_for(cfg: EagleTrainConfig, accelerator: Accelerator) -> str:
+    """The run's optimizer: cfg.optimizer when set; else Muon for EAGLE-3, AdamW for EAGLE-1 and wherever FSDP or
+    DeepSpeed shard the weight matrices Muon orthogonalises whole (said in the log)."""
+    if cfg.optimizer is not None:
+        return cfg.optimizer
+    if cfg.method != "eagle3":
+        return "adamw"
+    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        accelerator.print(f"optimizer: adamw, as {accelerator.distributed_type.value} shards the weight matrices "
+                          "that EAGLE-3's default optimizer muon orthogonalises whole")
+        return "adamw"
+    return "muon"
 
 
 def param_groups(draft: EagleDraft, optimizer: str) -> list[dict]:
@@ -309,7 +325,7 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
 def model_card(cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> str:
     if cfg.method == "eagle3":
         method = (f"EAGLE-3: features from target layers {metrics['feature_layers']} fused, one decoder layer, own lm_head "
-                  f"over a {metrics['draft_vocab_size']}-token draft vocabulary, training-time test over {cfg.ttt_steps} steps")
+                  f"over a {metrics['draft_vocab_size']}-token draft vocabulary, training-time test over {cfg.ttt_steps} steps, optimizer {cfg.optimizer}")
     else:
         method = "EAGLE-1: the target's final hidden state + next token -> one decoder layer -> the target's lm_head"
     coverage = (f"\nShare of held-out target-written tokens inside the draft vocabulary: {metrics['draft_vocab_coverage']:.3f}\n"
@@ -372,6 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     eagle3 = cfg.method == "eagle3"
     run = start_run(cfg)
     accelerator, target = run.accelerator, run.target
+    run.cfg = cfg = dataclasses.replace(cfg, optimizer=optimizer_for(cfg, accelerator))  # recorded in metrics.json
     draft = build_draft(run, cfg)
     layers = draft.config.feature_layers
 
