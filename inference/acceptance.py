@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from heads.chat import prompt_ids
 from heads.prompt_rows import pick_per_category
@@ -25,10 +26,10 @@ from heads.prompts import PromptSourceError, load_prompts
 from inference.speculator import Speculator, SpeculatorError
 
 
-def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool) -> dict:
+def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool, bar: tqdm | None = None) -> dict:
     """{category: {"tau", "prompts", "tokens", "forwards"}} plus "all", from greedy decoding of each row's first turn.
     A prompt longer than the target's context (max_position_embeddings less max_new_tokens) is skipped and counted
-    ("skipped_too_long")."""
+    ("skipped_too_long"). `bar` advances by one a prompt."""
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     context = getattr(spec.model.config, "max_position_embeddings", None)
     for row in rows:
@@ -36,12 +37,16 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool)
         if context is not None and len(ids) + max_new_tokens > context:
             for key in (row.category or "other", "all"):
                 sums[key]["skipped_too_long"] += 1
+            if bar is not None:
+                bar.update(1)
             continue
         stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup, adaptive=False).stats
         for key in (row.category or "other", "all"):
             sums[key]["prompts"] += 1
             sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's
             sums[key]["forwards"] += stats.decode_forwards
+        if bar is not None:
+            bar.update(1)
     return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None}
             for key, counts in sums.items()}
 
@@ -64,14 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     results = {}
+    bar = tqdm(total=len(args.heads) * 2 * len(rows), desc="acceptance", unit="prompt", file=sys.stderr)
     for heads in args.heads:
         try:
             spec = Speculator.from_pretrained(heads, tree=args.tree)
         except SpeculatorError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        results[heads] = {f"lookup {mode}": heldout_tau(spec, rows, args.max_new_tokens, mode == "on")
+        results[heads] = {f"lookup {mode}": heldout_tau(spec, rows, args.max_new_tokens, mode == "on", bar)
                           for mode in ("off", "on")}
+    bar.close()
     categories = sorted({key for r in results.values() for by in r.values() for key in by if key != "all"}) + ["all"]
     print("| heads | lookup | " + " | ".join(categories) + " |")
     print("|---|---|" + "---|" * len(categories))

@@ -55,8 +55,10 @@ def test_tau_per_family_matches_the_speculator(tiny_target_dir, tmp_path, capsys
         assert results[mode]["all"]["tau"] == round(sum(tokens.values()) / sum(forwards.values()), 3)
         assert results[mode]["long"] == {"skipped_too_long": 1, "tau": None}
         assert results[mode]["all"]["skipped_too_long"] == 1
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "| heads | lookup | chat | code | long | all |" in table and "| - |" in table  # long: skipped
+    assert "acceptance: 100%" in captured.err and "8/8" in captured.err  # 4 prompts (1 skipped) x lookup off, on
 
 
 def test_errors_exit_2(tmp_path, capsys):
