@@ -18,7 +18,8 @@ from heads.load import load_heads, load_heads_and_target
 from heads.target import load_target
 from train.config import ConfigError
 from train.data import DataError
-from train.medusa import main
+from heads.medusa import MedusaConfig, MedusaHeads
+from train.medusa import MedusaTrainConfig, block_groups, check_config, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,9 +146,10 @@ def test_feature_cache_matches_online_features(tiny_target_dir, sd_dir, tmp_path
         main(base_args(tiny_target_dir, sd_dir, tmp_path / "y", "--method", "medusa2", *with_cache))
 
 
-def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path, optimizer):
     """Stop after step 4 (as if killed) with checkpoints every 2 steps, resume to 12 == uninterrupted 12 steps."""
-    common = ["--max_steps", "12", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2"]
+    common = ["--max_steps", "12", "--gradient_accumulation_steps", "2", "--checkpoint_every", "2", "--optimizer", optimizer]
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "full", *common))
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "cut", *common, "--stop_after_steps", "5"))
     assert not (tmp_path / "cut" / "heads").exists()
@@ -161,6 +163,18 @@ def test_resume_is_exact(tiny_target_dir, sd_dir, tmp_path):
     assert [r["step"] for r in cut_log] == list(range(1, 13))  # step 5, replayed after the resume, logged once
     for a, b in zip(full_log, cut_log):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["lr"] == pytest.approx(b["lr"])
+
+
+def test_muon_takes_the_blocks_weight_matrices():
+    heads = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=32, num_heads=2, num_layers=1))
+    adamw = block_groups(heads, MedusaTrainConfig(learning_rate=0.01))
+    assert len(adamw) == 1 and len(adamw[0]["params"]) == 4 and not adamw[0].get("muon")  # 2 heads x (weight, bias)
+    muon, rest = block_groups(heads, MedusaTrainConfig(learning_rate=0.01, optimizer="muon"))
+    assert muon["muon"] and [tuple(p.shape) for p in muon["params"]] == [(16, 16), (16, 16)]
+    assert not rest.get("muon") and [tuple(p.shape) for p in rest["params"]] == [(16,), (16,)]
+    assert muon["lr"] == rest["lr"] == 0.01
+    with pytest.raises(ConfigError, match="optimizer must be adamw or muon"):
+        check_config(MedusaTrainConfig(optimizer="sgd"))
 
 
 def test_two_processes_equal_one(tiny_target_dir, sd_dir, tmp_path, launch):

@@ -74,6 +74,8 @@ class MedusaTrainConfig(TrainRunConfig):
     supervise_prompt: bool = False
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
     lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
+    optimizer: str = "adamw"  # adamw | muon: Muon on the residual blocks' weight matrices, AdamW on the rest
+    # (train/muon.py)
     # Medusa-2 (the feature caches need Medusa-1: a frozen target)
     lora_r: int = 16
     lora_alpha: int = 32
@@ -86,6 +88,8 @@ class MedusaTrainConfig(TrainRunConfig):
 
 def check_config(cfg: MedusaTrainConfig) -> None:
     check_run_config(cfg, ("medusa", "medusa2"))
+    if cfg.optimizer not in ("adamw", "muon"):
+        raise ConfigError(f"optimizer must be adamw or muon, got {cfg.optimizer!r}")
     if cfg.num_heads < 1:
         raise ConfigError(f"num_heads must be >= 1, got {cfg.num_heads}")
     if cfg.draft_vocab_size < 0:
@@ -318,6 +322,16 @@ def build_heads(run: Run, cfg: MedusaTrainConfig, lm_head_weight: torch.Tensor) 
     return heads.to(run.accelerator.device)
 
 
+def block_groups(heads, cfg: MedusaTrainConfig) -> list[dict]:
+    """The residual blocks' parameter groups: one AdamW group, or with optimizer muon their weight matrices in a Muon
+    group and their biases in an AdamW one."""
+    params = list(heads.blocks.named_parameters())
+    if cfg.optimizer != "muon":
+        return [{"params": [p for _, p in params], "lr": cfg.learning_rate}]
+    return [{"params": [p for _, p in params if p.ndim == 2], "lr": cfg.learning_rate, "muon": True},
+            {"params": [p for _, p in params if p.ndim != 2], "lr": cfg.learning_rate}]
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_config(MedusaTrainConfig, argv)
     check_config(cfg)
@@ -333,7 +347,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     shared = lm_head_weight if cfg.share_lm_head else None
     heads = build_heads(run, cfg, lm_head_weight)
-    groups = [{"params": list(heads.blocks.parameters()), "lr": cfg.learning_rate}]
+    groups = block_groups(heads, cfg)
     if heads.lm_heads is not None:
         lm_head_lr = cfg.lm_head_learning_rate if cfg.lm_head_learning_rate is not None else cfg.learning_rate
         groups.append({"params": list(heads.lm_heads.parameters()), "lr": lm_head_lr})
