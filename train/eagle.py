@@ -325,7 +325,8 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
 def model_card(cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> str:
     if cfg.method == "eagle3":
         method = (f"EAGLE-3: features from target layers {metrics['feature_layers']} fused, one decoder layer, own lm_head "
-                  f"over a {metrics['draft_vocab_size']}-token draft vocabulary, training-time test over {cfg.ttt_steps} steps, optimizer {cfg.optimizer}")
+                  f"over a {metrics['draft_vocab_size']}-token draft vocabulary, training-time test over {cfg.ttt_steps} steps, "
+                  f"optimizer {cfg.optimizer}")
     else:
         method = "EAGLE-1: the target's final hidden state + next token -> one decoder layer -> the target's lm_head"
     coverage = (f"\nShare of held-out target-written tokens inside the draft vocabulary: {metrics['draft_vocab_coverage']:.3f}\n"

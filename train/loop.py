@@ -216,7 +216,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         raise DataError(f"{len(run.train_rows)} training rows are fewer than one optimizer step needs "
                         f"({global_batch} rows per batch x {accum} accumulation steps)")
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * steps_per_epoch
-    if any(group.get("muon") for group in param_groups):  # EAGLE-3's optimizer: muon (train/muon.py)
+    if any(group.get("muon") for group in param_groups):  # optimizer muon (train/muon.py): EAGLE-3, Medusa
         if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise ConfigError("optimizer muon orthogonalises whole weight matrices, which FSDP and DeepSpeed shard: "
                               "use optimizer adamw with them, or plain data parallel (accelerate launch --multi_gpu)")
