@@ -91,6 +91,31 @@ def test_one_training_step_in_bf16_is_close_to_fp32(method, tmp_path, tiny_targe
     assert bf16 == pytest.approx(fp32, rel=0.02), f"{method}: bf16 {bf16} vs fp32 {fp32}"
 
 
+def test_medusa_evaluates_rebuilt_heads_on_a_bf16_target(tmp_path, tiny_target_dir, medusa_data, monkeypatch,
+                                                         fresh_accelerate_state):
+    """Under FSDP and DeepSpeed the trained heads come back as a rebuilt fp32 copy (train/sharding.py's plain_model),
+    without the autocast wrapper accelerate put on the prepared module; evaluating it against a bf16 target's shared
+    lm_head failed on the first GPU run ("expected mat1 and mat2 to have the same dtype"). Here one CPU process takes
+    the rebuild path, and its held-out figures are those of the wrapped module's run."""
+    import train.medusa
+    from train.sharding import load_full_state
+
+    def rebuilt(accelerator, prepared, rebuild):
+        fresh = rebuild()
+        load_full_state(fresh, accelerator.unwrap_model(prepared).state_dict(), "the trained state")
+        return fresh
+
+    common = ["--max_steps", "2", "--dtype", "bfloat16",
+              "--share_lm_head", "true", "--draft_vocab_size", "24"]  # the recipe's heads: the target's lm_head rows
+    medusa_main(medusa_args(tiny_target_dir, medusa_data, tmp_path / "wrapped", *common))
+    monkeypatch.setattr(train.medusa, "plain_model", rebuilt)
+    medusa_main(medusa_args(tiny_target_dir, medusa_data, tmp_path / "rebuilt", *common))
+    wrapped, rebuilt_metrics = (json.loads((tmp_path / d / "heads" / "metrics.json").read_text())
+                                for d in ("wrapped", "rebuilt"))
+    assert rebuilt_metrics["eval_positions"] == wrapped["eval_positions"] and min(wrapped["eval_positions"]) > 0
+    assert rebuilt_metrics["top1"] == wrapped["top1"]
+
+
 # ----------------------------------------------------------------------------------------------------
 # decoding: plain bf16 greedy as the reference
 

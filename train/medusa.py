@@ -224,7 +224,10 @@ def evaluate(target, heads: MedusaHeads, rows: list[dict], cfg: MedusaTrainConfi
         hidden = final_hidden(target, batch["input_ids"], batch["attention_mask"])
         union, labels, valid, _ = head_targets(batch, K)
         labels, in_vocab = heads.to_draft_labels(labels)
-        logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
+        # autocast as in training: under FSDP or DeepSpeed `heads` is a rebuilt fp32 copy without accelerate's autocast
+        # wrapper, and a bf16 target's shared lm_head met its fp32 features (found on the first GPU run)
+        with accelerator.autocast():
+            logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
         truth = logits.gather(-1, labels[..., None])  # [K, N, 1]
         rank = (logits > truth).sum(-1).clamp(max=R).masked_fill(~in_vocab, R)  # [K, N]; a token the heads cannot draft: a miss
         for k in range(K):
