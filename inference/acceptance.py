@@ -37,14 +37,12 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
         if context is not None and len(ids) + max_new_tokens > context:
             for key in (row.category or "other", "all"):
                 sums[key]["skipped_too_long"] += 1
-            if bar is not None:
-                bar.update(1)
-            continue
-        stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup, adaptive=False).stats
-        for key in (row.category or "other", "all"):
-            sums[key]["prompts"] += 1
-            sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's
-            sums[key]["forwards"] += stats.decode_forwards
+        else:
+            stats = spec.generate(torch.tensor(ids), max_new_tokens, lookup=lookup, adaptive=False).stats
+            for key in (row.category or "other", "all"):
+                sums[key]["prompts"] += 1
+                sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's
+                sums[key]["forwards"] += stats.decode_forwards
         if bar is not None:
             bar.update(1)
     return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None}

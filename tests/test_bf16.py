@@ -24,7 +24,9 @@ from inference.forward import rows_invariant
 from inference.generate import Speculator
 from inference.tree import tree_from_choices
 from train.eagle import main as eagle_main
+import train.medusa
 from train.medusa import main as medusa_main
+from train.sharding import load_full_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -97,9 +99,6 @@ def test_medusa_evaluates_rebuilt_heads_on_a_bf16_target(tmp_path, tiny_target_d
     without the autocast wrapper accelerate put on the prepared module; evaluating it against a bf16 target's shared
     lm_head failed on the first GPU run ("expected mat1 and mat2 to have the same dtype"). Here one CPU process takes
     the rebuild path, and its held-out figures are those of the wrapped module's run."""
-    import train.medusa
-    from train.sharding import load_full_state
-
     def rebuilt(accelerator, prepared, rebuild):
         fresh = rebuild()
         load_full_state(fresh, accelerator.unwrap_model(prepared).state_dict(), "the trained state")
