@@ -3,12 +3,14 @@ two merged) by the most expected tokens per millisecond, from what this generati
 
 Every node of a verified tree carries the keys of the proposers that drafted it: ("heads", depth - 1, rank) for
 the heads' tree, ("lookup", n, branch, position) for a continuation found after an n-token match in the context
-(branch 0 = the latest match, 1 = any other). After each verification every node whose parent was accepted is one
+(branch 0 = the latest match, 1 = any other), ("ngram", n, 0, position) for the chain the heads' n-gram table of
+the target's own answers drafts after an n-token key (inference/ngram.py; with lookup on, where the heads directory
+has one). After each verification every node whose parent was accepted is one
 trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
 exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials: the heads' held-out
 accuracy per depth from training, taken as it is (on prompts unlike the training ones a head is right after a right
 parent about as often as its accuracy alone says, docs/generation.md), else inference/tree.py's DEFAULT_ACCURACY;
-LOOKUP_PRIOR for lookup. Lookup's prior decays with the counts; the heads' does not (RateTable), so where a one-node
+LOOKUP_PRIOR / NGRAM_PRIOR for lookup and the n-gram table. Lookup's prior decays with the counts; the heads' does not (RateTable), so where a one-node
 draft costs next to nothing the heads keep drafting through a streak of misses. A tree's
 expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
 inference/tree.py sizes trees.
@@ -35,6 +37,7 @@ from typing import Sequence
 import torch
 
 from inference.lookup import ContextIndex
+from inference.ngram import NgramTable
 from inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
 
 Key = tuple
@@ -61,6 +64,10 @@ def dflash_draft_prior(num_layers: int, draft_vocab_fraction: float) -> dict[int
 # Prior P(accepted | parent accepted) of a lookup node: its first token by match length n, later tokens alike.
 LOOKUP_PRIOR_FIRST = {1: 0.3, 2: 0.5, 3: 0.6}
 LOOKUP_PRIOR_NEXT = 0.7
+# ... and of an n-gram table node (a guess below lookup's: a key seen in other conversations is a weaker match than
+# one repeated in this context; the observed rates take over within a few trials)
+NGRAM_PRIOR_FIRST = {1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5}
+NGRAM_PRIOR_NEXT = 0.6
 HEADS_RANKS = 4  # ranks per depth the heads' trees may use
 MAX_PROBE_GAP = 8  # failed probes stretch the wait for the next one up to this many times probe_every
 PROBE_BUDGET = 0.02  # ... and only while a probe's extra cost, spread over the wait, is above this share of a step
@@ -158,7 +165,6 @@ class Plan:
     up to depth lookup_depth (0 = none)."""
     heads_choices: list[list[int]]
     lookup_depth: int
-    ngram: int = 0
     trie: list[tuple[int, int, list[Key], int]] = field(default_factory=list)  # AdaptivePolicy._lookup_trie's
     probes: list[str] = field(default_factory=list)  # sources verified only as a probe ("heads", "lookup")
 
@@ -173,11 +179,13 @@ class AdaptivePolicy:
     """Chooses each step's Plan and learns from each verification; one per generated sequence."""
 
     def __init__(self, config: AdaptConfig | None = None, heads_accuracy: Sequence[Sequence[float]] | None = None,
-                 heads_depth: int = 0, lookup: bool = True, cost: StepCost | None = None):
+                 heads_depth: int = 0, lookup: bool = True, cost: StepCost | None = None,
+                 ngram: NgramTable | None = None):
         self.config = config or AdaptConfig()
         accuracy = [list(row) for row in (heads_accuracy or DEFAULT_ACCURACY)][:heads_depth]
         self.heads_depth = len(accuracy)  # 0: no heads (lookup only)
         self.lookup = lookup
+        self.ngram = ngram if lookup else None  # drafts beside the context's lookup, as one more branch
         self.cost = cost or StepCost()
 
         def prior(key: Key) -> float:
@@ -185,8 +193,10 @@ class AdaptivePolicy:
                 row = accuracy[key[1]]
                 rank = key[2]
                 return row[rank] if rank < len(row) else row[-1] * 0.5 ** (rank - len(row) + 1)
-            _, n, _, position = key
-            return LOOKUP_PRIOR_FIRST.get(n, max(LOOKUP_PRIOR_FIRST.values())) if position == 1 else LOOKUP_PRIOR_NEXT
+            source, n, _, position = key
+            first, later = (NGRAM_PRIOR_FIRST, NGRAM_PRIOR_NEXT) if source == "ngram" else \
+                (LOOKUP_PRIOR_FIRST, LOOKUP_PRIOR_NEXT)
+            return first.get(n, max(first.values())) if position == 1 else later
 
         self.rates = RateTable(prior, self.config.decay, self.config.prior_weight, self.config.lasting_prior)
         self.unverified = {"heads": 0, "lookup": 0}  # steps since each source could draft and was verified
@@ -219,14 +229,15 @@ class AdaptivePolicy:
                 options.append(([path for path, _ in order[:count]], gain))
         return options
 
-    def _lookup_trie(self, ngram: int, branches: list[list[int]]) -> list[tuple[int, int, list[Key], int]]:
-        """The branches as a trie: nodes (parent, token, keys, depth), parent -1 = the root, parents first."""
+    def _lookup_trie(self, branches: list[tuple[Key, list[int]]]) -> list[tuple[int, int, list[Key], int]]:
+        """The branches ((source, n, branch), tokens) as a trie: nodes (parent, token, keys, depth), parent -1 = the
+        root, parents first; a node's keys are (source, n, branch, position) of every branch through it."""
         nodes: list[tuple[int, int, list[Key], int]] = []
         index: dict[tuple[int, int], int] = {}
-        for b, branch in enumerate(branches):
+        for prefix, branch in branches:
             parent = -1
             for position, token in enumerate(branch, start=1):
-                key = ("lookup", ngram, min(b, 1), position)
+                key = (*prefix, position)
                 node = index.get((parent, token))
                 if node is None:
                     node = index[(parent, token)] = len(nodes)
@@ -255,10 +266,15 @@ class AdaptivePolicy:
         cfg = self.config
         if self.lookup and (self.index is None or self.index.context is not context):
             self.index = ContextIndex(context)
-        ngram, branches = (self.index.branches(cfg.max_lookup, cfg.min_ngram, cfg.max_ngram, cfg.max_matches)
-                           if self.lookup else (0, []))
+        n, found = (self.index.branches(cfg.max_lookup, cfg.min_ngram, cfg.max_ngram, cfg.max_matches)
+                    if self.lookup else (0, []))
+        branches = [(("lookup", n, min(b, 1)), branch) for b, branch in enumerate(found)]
+        if self.ngram is not None:
+            n, chain = self.ngram.draft(context, cfg.max_lookup)
+            if chain:
+                branches.append((("ngram", n, 0), chain))
         heads = [([], 0.0)] + self._heads_options()
-        trie = self._lookup_trie(ngram, branches)
+        trie = self._lookup_trie(branches)
         lookups = [(0, 0.0, 0)] + self._lookup_options(trie)
         best, best_rate = (heads[0], lookups[0]), 0.0
         for h in heads:
@@ -279,7 +295,7 @@ class AdaptivePolicy:
             self.unverified[source] = 0 if used or not possible else self.unverified[source] + 1
             if used and source not in probes:
                 self.probe_gap[source] = cfg.probe_every
-        return Plan(heads_choices=choices, lookup_depth=depth, ngram=ngram, trie=trie, probes=probes)
+        return Plan(heads_choices=choices, lookup_depth=depth, trie=trie, probes=probes)
 
     def build(self, plan: Plan, root: int, heads_tree: Tree | None = None,
               heads_tokens: torch.Tensor | None = None) -> tuple[Tree, torch.Tensor, list[list[Key]]]:

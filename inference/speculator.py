@@ -29,6 +29,7 @@ from inference.dflash import DFlashProposer
 from inference.eagle import EagleProposer, dynamic_config_from_choices
 from inference.lookup import LookupConfig
 from inference.medusa import MedusaProposer
+from inference.ngram import NGRAM_FILE, NgramTable
 from inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
 
 DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
@@ -64,6 +65,10 @@ class Speculator:
         self.adapt_config = AdaptConfig()
         accuracy = read_accuracy(heads_dir) if heads_dir is not None else None  # read once, not per generation
         self.heads_prior = accuracy  # the adaptive policy's prior rates (None: inference/tree.py's DEFAULT_ACCURACY)
+        ngram_file = heads_dir / NGRAM_FILE if heads_dir is not None else None
+        # the target's phrases from its training rows, drafted beside lookup by the adaptive policy (absent in heads
+        # directories written before it)
+        self.ngram = NgramTable.load(ngram_file) if ngram_file is not None and ngram_file.is_file() else None
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.is_dflash = heads.config.method == "dflash"
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
@@ -221,7 +226,7 @@ class Speculator:
     def make_policy(self, lookup: bool) -> AdaptivePolicy:
         """A fresh adaptive policy for one generation: the heads' recorded accuracies as its prior, this device's
         step-cost curve when `--tree auto` measured one."""
-        return AdaptivePolicy(self.adapt_config, self.heads_prior, self.max_depth, lookup, self.step_cost)
+        return AdaptivePolicy(self.adapt_config, self.heads_prior, self.max_depth, lookup, self.step_cost, self.ngram)
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, acceptance: str = "auto", seed: int | None = None,

@@ -16,6 +16,7 @@ import torch
 
 from heads.load import load_heads, load_heads_and_target
 from heads.target import load_target
+from inference.ngram import NGRAM_FILE, NgramTable
 from train.config import ConfigError
 from train.data import DataError
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -102,6 +103,10 @@ def test_train_writes_heads_dir(tiny_target_dir, sd_dir, tmp_path):
     assert len(log) == 30 and log[-1]["loss"] < log[0]["loss"]  # it learns the repeated patterns
     heads = load_heads(heads_dir, info)
     assert heads.config.num_heads == 3
+    dataset = datasets.load_from_disk(str(sd_dir / "dataset"))  # the n-gram table: of the 20 training rows only
+    table = NgramTable.load(heads_dir / NGRAM_FILE)
+    assert table.next_token == NgramTable.build([dict(r) for r in dataset.select(range(20))]).next_token
+    assert table.next_token != NgramTable.build([dict(r) for r in dataset]).next_token  # the held-out rows stay out
 
 
 def test_soft_labels_and_prompt_positions_train(tiny_target_dir, sd_dir, tmp_path):

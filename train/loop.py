@@ -36,6 +36,7 @@ from transformers import get_cosine_schedule_with_warmup
 from heads.directory import push_heads_dir
 from heads.export import ExportError, export_and_push
 from heads.target import load_target
+from inference.ngram import NGRAM_FILE, NgramTable
 from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
 from train.config import ConfigError, TrainRunConfig, build_config
 from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
@@ -342,6 +343,7 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
     if accelerator.is_main_process:
         def write(folder: Path) -> None:
             save(folder)
+            NgramTable.build(run.train_rows).save(folder / NGRAM_FILE)  # the target's phrases, drafted with lookup
             (folder / "README.md").write_text(model_card(cfg, run.info, run.stats, metrics))
             (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
 

@@ -1,0 +1,116 @@
+"""The target's own phrases as a drafting source: an n-gram table of its self-distilled answers.
+
+    table = NgramTable.build(rows)                  # rows: {"input_ids", "loss_mask"} (the training rows)
+    table.save(heads_dir / NGRAM_FILE)              # the trainers write it beside the heads
+    n, chain = table.draft(context, num_tokens=8)   # the tokens the target most often wrote after the context's tail
+
+For every n-token key (n = 1..max_n) that precedes a target-written token in the rows, the table keeps the token the
+target wrote after it most often, or "stop" where that token's share of the key's occurrences is below `min_share`.
+A draft extends the context one token at a time by the longest key that occurs, and ends at a stop or where no key
+occurs. Like lookup in the context (inference/lookup.py), it drafts from text instead of a network, but from what
+the target wrote during self-distillation: a small model repeats its own phrasings ("I'm here to help", code
+idioms, answer formats) on prompts it never saw, where the context has nothing to copy. The decode loop verifies
+its chain as a branch of the lookup trie (inference/adapt.py), so it is as lossless as any draft.
+
+max_n 4, min_n 1 and min_share 0.3 are what a chain simulation on the tuning split (`mix:train` from row 400) chose
+over max_n 6, min_n 2, min_share 0.5 and dropping keys seen once (docs/generation.md).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from heads.directory import HeadsLoadError
+
+NGRAM_FILE = "ngram.safetensors"
+STOP = -1  # the key occurs, but no next token reaches min_share
+
+
+@dataclass
+class NgramConfig:
+    max_n: int = 4  # longest key, in tokens
+    min_n: int = 1  # shortest key tried before the draft ends
+    min_share: float = 0.3  # the most frequent next token's share of its key's occurrences, to be drafted
+    max_tokens: int = 200_000  # target-written tokens read (the first rows'): the table stays a few MB
+
+
+class NgramTable:
+    def __init__(self, next_token: dict[tuple[int, ...], int], config: NgramConfig):
+        self.next_token = next_token  # key (n tokens) -> the next token, or STOP
+        self.config = config
+
+    @classmethod
+    def build(cls, rows: Iterable[dict], config: NgramConfig | None = None) -> "NgramTable":
+        """From rows with "input_ids" and "loss_mask" (1 = target-written): keys before each target-written token."""
+        config = config or NgramConfig()
+        counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
+        read = 0
+        for row in rows:
+            ids, mask = list(row["input_ids"]), list(row["loss_mask"])
+            for i in range(1, len(ids)):
+                if not mask[i] or read >= config.max_tokens:
+                    continue
+                read += 1
+                for n in range(1, min(config.max_n, i) + 1):
+                    counts[tuple(ids[i - n:i])][ids[i]] += 1
+        next_token = {}
+        for key, counter in counts.items():
+            token, count = counter.most_common(1)[0]
+            next_token[key] = token if count >= config.min_share * sum(counter.values()) else STOP
+        return cls(next_token, config)
+
+    def draft(self, context: list[int], num_tokens: int) -> tuple[int, list[int]]:
+        """(n of the key the first token came from, up to num_tokens drafted tokens); (0, []) when none."""
+        config, table = self.config, self.next_token
+        chain: list[int] = []
+        first_n = 0
+        tail = list(context[-config.max_n:])  # the last max_n tokens of context + chain
+        while len(chain) < num_tokens:
+            token = None
+            for n in range(min(config.max_n, len(tail)), config.min_n - 1, -1):
+                token = table.get(tuple(tail[-n:]))
+                if token is not None:
+                    first_n = first_n or n
+                    break
+            if token is None or token == STOP:
+                break
+            chain.append(token)
+            tail = (tail + [token])[-config.max_n:]
+        return (first_n if chain else 0), chain
+
+    def __len__(self) -> int:
+        return len(self.next_token)
+
+    def save(self, path: str | Path) -> None:
+        """keys [M, max_n] (left-padded with -1), next [M], the config in the metadata."""
+        from safetensors.torch import save_file
+
+        width = self.config.max_n
+        keys = torch.full((len(self.next_token), width), -1, dtype=torch.int64)
+        for i, key in enumerate(self.next_token):
+            keys[i, width - len(key):] = torch.tensor(key)
+        tokens = torch.tensor(list(self.next_token.values()), dtype=torch.int64)
+        save_file({"keys": keys, "next": tokens}, str(path), metadata={"config": json.dumps(asdict(self.config))})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NgramTable":
+        """The table `save` wrote; anything else is refused with HeadsLoadError naming the file."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                config = NgramConfig(**json.loads((f.metadata() or {})["config"]))
+                keys, tokens = f.get_tensor("keys"), f.get_tensor("next")
+            if keys.dim() != 2 or keys.shape != (len(tokens), config.max_n) or tokens.dim() != 1:
+                raise ValueError(f"keys {list(keys.shape)} and next {list(tokens.shape)} do not fit max_n {config.max_n}")
+        except Exception as err:  # not safetensors, no config, unknown config keys, missing or mis-shaped tensors
+            raise HeadsLoadError(f"{path} is not an n-gram table written by headstart ({err.__class__.__name__}: "
+                                 f"{err}); delete it to decode without it, or retrain the heads to rewrite it") from err
+        next_token = {tuple(t for t in key if t >= 0): token for key, token in zip(keys.tolist(), tokens.tolist())}
+        return cls(next_token, config)
