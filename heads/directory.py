@@ -2,7 +2,8 @@
 
     config.json        the module's config dataclass (method, target name / fingerprint / dims, method fields)
     model.safetensors  head / draft weights only (never the target's embeddings or lm_head)
-    README.md, metrics.json, tree.json, adapter/ (Medusa-2 LoRA): written beside them by the trainers
+    README.md, metrics.json, ngram.safetensors, tree.json, adapter/ (Medusa-2 LoRA): written beside them by the
+    trainers (tree.json by `--tree auto`)
 
 `HeadsModule.save_pretrained` writes the first two; `read_config` and `load_state` read them back strictly: a
 missing, extra or mis-shaped tensor is refused with its name. heads/load.py builds the module from them.
