@@ -5,13 +5,13 @@ Every node of a verified tree carries the keys of the proposers that drafted it:
 the heads' tree, ("lookup", n, branch, position) for a continuation found after an n-token match in the context
 (branch 0 = the latest match, 1 = any other), ("ngram", n, 0, position) for the chain the heads' n-gram table of
 the target's own answers drafts after an n-token key (inference/ngram.py; with lookup on, where the heads directory
-has one). After each verification every node whose parent was accepted is one
-trial for its keys, a hit when it was accepted too: the policy keeps P(accepted | parent accepted) per key as
-exponentially decayed counts (`decay` per trial) over a prior worth `prior_weight` trials: the heads' held-out
-accuracy per depth from training, taken as it is (on prompts unlike the training ones a head is right after a right
-parent about as often as its accuracy alone says, docs/generation.md), else inference/tree.py's DEFAULT_ACCURACY;
-LOOKUP_PRIOR / NGRAM_PRIOR for lookup and the n-gram table. Lookup's prior decays with the counts; the heads' does not (RateTable), so where a one-node
-draft costs next to nothing the heads keep drafting through a streak of misses. A tree's
+has one). After each verification every node whose parent was accepted is one trial for its keys, a hit when it was
+accepted too: the policy keeps P(accepted | parent accepted) per key as exponentially decayed counts (`decay` per
+trial) over a prior worth `prior_weight` trials: the heads' held-out accuracy per depth from training, taken as it is
+(on prompts unlike the training ones a head is right after a right parent about as often as its accuracy alone says,
+docs/generation.md), else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR and NGRAM_PRIOR for lookup and the
+n-gram table. Lookup's and the table's priors decay with the counts; the heads' does not (RateTable), so where a
+one-node draft costs next to nothing the heads keep drafting through a streak of misses. A tree's
 expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
 inference/tree.py sizes trees.
 

@@ -108,7 +108,8 @@ class NgramTable:
                 config = NgramConfig(**json.loads((f.metadata() or {})["config"]))
                 keys, tokens = f.get_tensor("keys"), f.get_tensor("next")
             if keys.dim() != 2 or keys.shape != (len(tokens), config.max_n) or tokens.dim() != 1:
-                raise ValueError(f"keys {list(keys.shape)} and next {list(tokens.shape)} do not fit max_n {config.max_n}")
+                raise ValueError(f"keys {list(keys.shape)} and next {list(tokens.shape)} do not fit "
+                                 f"max_n {config.max_n}")
         except Exception as err:  # not safetensors, no config, unknown config keys, missing or mis-shaped tensors
             raise HeadsLoadError(f"{path} is not an n-gram table written by headstart ({err.__class__.__name__}: "
                                  f"{err}); delete it to decode without it, or retrain the heads to rewrite it") from err
