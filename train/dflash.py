@@ -20,7 +20,8 @@ x_{p+j}, supervised where the target wrote it, weighted exp(-(j - 1) / loss_deca
 target's distribution there (its logits at p + j - 1; `soft_labels`) or cross-entropy on the data token. The loss
 is a weighted mean over the whole global batch, so N processes x batch b give 1 process x batch N*b.
 
-Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json), DIR/checkpoints, DIR/train_log.jsonl.
+Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors), DIR/checkpoints,
+DIR/train_log.jsonl.
 metrics.json (held-out rows = the last `eval_rows` rows; up to `eval_anchors` evenly spaced anchors per row): per
 block slot j = 1..block_size-1, `top1`, `top5`, `rank_accuracy` [j][10] (P(the data token is exactly the draft's
 rank-r guess), for sizing trees), `eval_positions`; `chain_accepted_tokens` (mean drafted tokens a greedy chain of

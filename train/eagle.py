@@ -32,7 +32,8 @@ Target features: online, in memory or from an offline cache on disk (train/featu
 The loss is a mean over supervised positions of the whole global batch (per unrolled step), so N processes x batch b
 give the same loss and gradients as 1 process x batch N*b.
 
-Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json), DIR/checkpoints, DIR/train_log.jsonl.
+Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors), DIR/checkpoints,
+DIR/train_log.jsonl.
 Load the draft with `heads.load.load_heads(DIR/heads, target_info)`.
 metrics.json (held-out rows = the last `eval_rows` rows): per draft depth d = 1..eval_depth (the draft unrolled on its
 own outputs along the true tokens, as at inference): `top1`, `top5`, `rank_accuracy` [depth][10] (P(the data token is
