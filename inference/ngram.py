@@ -54,7 +54,9 @@ class NgramTable:
         for row in rows:
             ids, mask = list(row["input_ids"]), list(row["loss_mask"])
             for i in range(1, len(ids)):
-                if not mask[i] or read >= config.max_tokens:
+                if read >= config.max_tokens:
+                    break
+                if not mask[i]:
                     continue
                 read += 1
                 for n in range(1, min(config.max_n, i) + 1):
@@ -73,7 +75,7 @@ class NgramTable:
         tail = list(context[-config.max_n:])  # the last max_n tokens of context + chain
         while len(chain) < num_tokens:
             token = None
-            for n in range(min(config.max_n, len(tail)), config.min_n - 1, -1):
+            for n in range(len(tail), config.min_n - 1, -1):
                 token = table.get(tuple(tail[-n:]))
                 if token is not None:
                     first_n = first_n or n
@@ -84,17 +86,13 @@ class NgramTable:
             tail = (tail + [token])[-config.max_n:]
         return (first_n if chain else 0), chain
 
-    def __len__(self) -> int:
-        return len(self.next_token)
-
     def save(self, path: str | Path) -> None:
         """keys [M, max_n] (left-padded with -1), next [M], the config in the metadata."""
         from safetensors.torch import save_file
 
         width = self.config.max_n
-        keys = torch.full((len(self.next_token), width), -1, dtype=torch.int64)
-        for i, key in enumerate(self.next_token):
-            keys[i, width - len(key):] = torch.tensor(key)
+        padded = [[-1] * (width - len(key)) + list(key) for key in self.next_token]
+        keys = torch.tensor(padded, dtype=torch.int64).reshape(-1, width)  # [M, max_n], also for M = 0
         tokens = torch.tensor(list(self.next_token.values()), dtype=torch.int64)
         save_file({"keys": keys, "next": tokens}, str(path), metadata={"config": json.dumps(asdict(self.config))})
 

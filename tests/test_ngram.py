@@ -3,8 +3,17 @@ adaptive policy drafting its chain as a lookup branch (only with lookup on)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import save_file
+from test_adapt import _lm_heads
+from test_infer_generate import _first_diff, reference
+
+from heads.directory import HeadsLoadError
 from inference.adapt import AdaptConfig, AdaptivePolicy
-from inference.ngram import STOP, NgramConfig, NgramTable
+from inference.generate import Speculator
+from inference.ngram import NGRAM_FILE, STOP, NgramConfig, NgramTable
 
 # 1 and 5 are the prompt's (loss_mask 0); the target wrote 6 7 5 6 8
 ROWS = [{"input_ids": [1, 5, 6, 7, 5, 6, 8], "loss_mask": [0, 0, 1, 1, 1, 1, 1]}]
@@ -40,6 +49,8 @@ def test_file_round_trip(tmp_path):
     table.save(tmp_path / "ngram.safetensors")
     loaded = NgramTable.load(tmp_path / "ngram.safetensors")
     assert loaded.next_token == table.next_token and loaded.config == table.config
+    NgramTable({}, NgramConfig()).save(tmp_path / "empty.safetensors")  # rows whose only answer token is the first
+    assert NgramTable.load(tmp_path / "empty.safetensors").next_token == {}
 
 
 def test_the_policy_drafts_the_tables_chain_as_a_lookup_branch_with_lookup_on_only():
@@ -56,14 +67,6 @@ def test_the_policy_drafts_the_tables_chain_as_a_lookup_branch_with_lookup_on_on
 
 
 def test_speculator_loads_the_table_and_stays_greedy_exact_with_fewer_forwards(tmp_path):
-    import torch
-    from conftest import tiny_model
-    from test_adapt import _lm_heads
-    from test_infer_generate import _first_diff, reference
-
-    from inference.generate import Speculator
-    from inference.ngram import NGRAM_FILE
-
     model = tiny_model("llama", vocab_size=128, seed=1)
     prompts = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(5))
     refs = reference(model, prompts, 40)
@@ -84,12 +87,6 @@ def test_speculator_loads_the_table_and_stays_greedy_exact_with_fewer_forwards(t
 
 
 def test_a_file_that_is_not_a_table_is_refused_by_name(tmp_path):
-    import pytest
-    import torch
-    from safetensors.torch import save_file
-
-    from heads.directory import HeadsLoadError
-
     (tmp_path / "garbage.safetensors").write_bytes(b"not safetensors")
     save_file({"keys": torch.zeros(3, 2, dtype=torch.int64), "next": torch.zeros(3, dtype=torch.int64)},
               str(tmp_path / "wide.safetensors"), metadata={"config": '{"max_n": 4}'})  # 2 columns, max_n 4

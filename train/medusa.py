@@ -23,8 +23,9 @@ an EAGLE-1 run on the same rows writes). Medusa-2 adds LoRA to the target and th
 after `medusa2_warmup_steps` heads-only steps; the adapter is saved in DIR/heads/adapter.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors [, adapter/]),
-DIR/checkpoints, DIR/train_log.jsonl (one line per optimizer step). Load the heads with `heads.load.load_heads_and_target(DIR/heads)`
-(the target too, the adapter merged) or `heads.load.load_heads(DIR/heads, target_info)`.
+DIR/checkpoints, DIR/train_log.jsonl (one line per optimizer step). Load the heads with
+`heads.load.load_heads_and_target(DIR/heads)` (the target too, the adapter merged) or
+`heads.load.load_heads(DIR/heads, target_info)`.
 metrics.json (held-out rows = the last `eval_rows` rows of the dataset): `top1`, `top5` [K]; `rank_accuracy` [K][10]
 (P(the ground-truth token is exactly head k's rank-r prediction), for choosing a sparse tree); `eval_positions` [K];
 `target_top1` (the target's own next-token accuracy there, near 1 on greedy data); `greedy_agreement` (Medusa-2: share
