@@ -47,7 +47,7 @@ class TrainRunConfig:
     eval_rows: int = -1  # the last eval_rows rows are held out; -1 = 5% (at least 1)
     train_rows: int = -1  # > 0: train on only the first train_rows rows (data-scaling runs; eval rows unchanged)
     # the target's features (train/features.py): online, in memory (feature_cache), or on disk (feature_cache_dir)
-    feature_cache: bool = False  # keep each row's target features in memory after their first use
+    feature_cache: bool = False  # keep each row's target features in memory (train/features.py)
     feature_cache_dir: Optional[str] = None  # offline feature cache on disk (written first if missing; resumable)
     feature_cache_dtype: str = "auto"  # auto = the target's dtype (exactly what online training sees)
     feature_cache_shard_rows: int = 64  # rows per cache file

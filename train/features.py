@@ -5,7 +5,10 @@ its lm_head of it) and the taps [T, n*h] = cat(hidden_states[i] for i in feature
 state itself when feature_layers is [L]). Three sources, chosen by the run config (train/config.py):
 
 - online: one target forward per batch (the default);
-- in memory (`feature_cache: true`): each row computed alone at its first use, then kept;
+- in memory (`feature_cache: true`): each row computed alone, then kept; one process computes a row at its first
+  use; N processes compute every row once before training, each its N-th share, and hand them to one another
+  (`fill_memory`: left lazy, each process would compute nearly every row itself over the epochs, as each epoch's
+  order deals a row to another process, N times the target forwards);
 - on disk (`feature_cache_dir`): sharded safetensors files in `feature_cache_dtype` (default the target's dtype),
   written once before training (resumable: a missing shard is written again), refused when written for other rows,
   target or settings. `build_cache_only` writes the cache and stops. A cache is shared by every trainer with the same
@@ -77,6 +80,23 @@ class FeatureSource:
                 return out
             self.memory[r] = out
         return self.memory[r]
+
+    def fill_memory(self, accelerator: Accelerator, chunk_rows: int = 16) -> None:
+        """Every row in memory on every process, each computed once: process p computes rows p, p + N, ... in rounds
+        of chunk_rows, and each round's rows go to every process (on the CPU: batch() moves them to the device)."""
+        n, p = accelerator.num_processes, accelerator.process_index
+        rounds = math.ceil(len(self.rows) / (n * chunk_rows))
+        for k in tqdm(range(rounds), desc="target features", disable=not accelerator.is_main_process):
+            mine = range(p + k * n * chunk_rows, min(len(self.rows), (k + 1) * n * chunk_rows), n)
+            computed = []
+            for r in mine:
+                taps, final = self.compute(r)
+                computed.append((r, None if self.taps_are_final else taps.cpu(), final.cpu()))
+            shares: list = [None] * n
+            torch.distributed.all_gather_object(shares, computed)
+            for share in shares:
+                for r, taps, final in share:
+                    self.memory[r] = (final if taps is None else taps, final)
 
     def compute(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.as_tensor(self.rows[r]["input_ids"], device=self.target.device)[None]
@@ -206,4 +226,6 @@ def open_feature_source(cfg: TrainRunConfig, target, info, rows: list[dict], fea
         source.identity = cache_identity(rows, info, feature_layers, cache_dtype, cfg.feature_cache_shard_rows)
         build_feature_cache(source, source.identity, info.hidden_size, accelerator, cfg.feature_cache_writer,
                             request_only=cfg.build_cache_only)
+    elif mode == "memory" and accelerator.num_processes > 1:
+        source.fill_memory(accelerator)
     return source
