@@ -13,7 +13,8 @@ from heads.target import TargetLoadError, load_target
 from train.config import ConfigError, parse_config
 from heads.chat import stop_token_ids
 from train.engines import HFEngine
-from train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistilled, render_with_mask, run_selfdistill
+from train.selfdistill import (SelfDistillConfig, deal_batches, distill_batch, load_selfdistilled, render_with_mask,
+                               row_cost, run_selfdistill)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,6 +152,19 @@ def test_two_processes_give_the_same_rows_as_one(tiny_target_dir, tmp_path):
     two, meta = read_rows(tmp_path / "two")
     assert meta["this_run"]["processes"] == 2
     assert two == one
+
+
+def test_batches_are_dealt_by_cost_so_processes_finish_together():
+    # a 512-token prompt (2,048 characters) and 128 answer tokens, each weighted by 1 + its mean context / 2048
+    assert row_cost(["abcd" * 512], 128) == 512 * (1 + 256 / 2048) + 128 * (1 + (512 + 64) / 2048)
+    # a second turn's prompt and answer sit on the first turn's context
+    assert row_cost(["abcd" * 512, "abcd" * 4], 128) == row_cost(["abcd" * 512], 128) + 4 * (1 + (640 + 2) / 2048) \
+        + 128 * (1 + (644 + 64) / 2048)
+    # one long-context batch and five short ones: dealt k % 2 the loads would be 7 / 3; by cost they are 5 / 5
+    assert deal_batches([5.0, 1.0, 1.0, 1.0, 1.0, 1.0], 2) == [0, 1, 1, 1, 1, 1]
+    owner = deal_batches([3.0, 9.0, 1.0, 4.0, 4.0, 2.0, 7.0], 3)
+    assert owner == [1, 0, 0, 2, 2, 2, 1]  # costliest first, each to the least-loaded process: loads 10 / 10 / 10
+    assert deal_batches([2.0, 2.0], 1) == [0, 0]
 
 
 def test_rerun_with_other_settings_is_refused(tiny_target_dir, tmp_path):

@@ -300,6 +300,33 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
         return _distill(cfg, accelerator)
 
 
+def row_cost(turns: list[str], max_new_tokens: int) -> float:
+    """A conversation's generation cost, estimated before tokenizing: per answered turn, its prompt (about 4
+    characters a token) and max_new_tokens answer tokens, each token weighted by the attention over its context
+    (1 + context / 2048: a token over 1,500 tokens of context costs about 1.4 of one over a short one on a CPU)."""
+    cost, context = 0.0, 0.0
+    for text in turns:
+        prompt = len(text) / 4
+        cost += prompt * (1 + (context + prompt / 2) / 2048)
+        context += prompt
+        cost += max_new_tokens * (1 + (context + max_new_tokens / 2) / 2048)
+        context += max_new_tokens
+    return cost
+
+
+def deal_batches(costs: list[float], num_processes: int) -> list[int]:
+    """The process of each batch: costliest first, each to the process with the least cost so far, so the processes
+    finish together (batch k to process k % N left the long-context batches on one: the other waited 78 s of the
+    demo's 256)."""
+    load = [0.0] * num_processes
+    owner = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        process = min(range(num_processes), key=lambda p: (load[p], p))
+        owner[k] = process
+        load[process] += costs[k]
+    return owner
+
+
 def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     import datasets
 
@@ -332,12 +359,14 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     engine = make_engine(cfg, model, tokenizer, eos_ids)
     del model  # the hf engine holds it
 
-    # fixed batches over a length-sorted order (less padding); batch k goes to process k % world
+    # fixed batches over a length-sorted order (less padding), dealt to the processes by their estimated cost
     order = sorted(range(len(source.rows)), key=lambda i: (len(source.rows[i].turns[0]), i))
     batches = [order[s: s + cfg.batch_size] for s in range(0, len(order), cfg.batch_size)]
     parts_dir = output_dir / "parts"
     parts_dir.mkdir(parents=True, exist_ok=True)
-    mine = [k for k in range(len(batches)) if k % accelerator.num_processes == accelerator.process_index]
+    costs = [sum(row_cost(source.rows[i].turns[: cfg.max_turns], cfg.max_new_tokens) for i in batch) for batch in batches]
+    owner = deal_batches(costs, accelerator.num_processes)
+    mine = [k for k in range(len(batches)) if owner[k] == accelerator.process_index]
     todo = [k for k in mine if not (parts_dir / f"batch_{k:06d}.json").is_file()]
     if len(todo) < len(mine):
         accelerator.print(f"resuming: {len(mine) - len(todo)} of {len(mine)} batches already done")
