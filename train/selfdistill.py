@@ -303,7 +303,7 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
 def row_cost(turns: list[str], max_new_tokens: int) -> float:
     """A conversation's generation cost, estimated before tokenizing: per answered turn, its prompt (about 4
     characters a token) and max_new_tokens answer tokens, each token weighted by the attention over its context
-    (1 + context / 2048: a token over 1,500 tokens of context costs about 1.4 of one over a short one on a CPU)."""
+    (1 + context / 2048: a token over 2,048 tokens of context counts as two; docs/data.md)."""
     cost, context = 0.0, 0.0
     for text in turns:
         prompt = len(text) / 4
@@ -316,8 +316,7 @@ def row_cost(turns: list[str], max_new_tokens: int) -> float:
 
 def deal_batches(costs: list[float], num_processes: int) -> list[int]:
     """The process of each batch: costliest first, each to the process with the least cost so far, so the processes
-    finish together (batch k to process k % N left the long-context batches on one: the other waited 78 s of the
-    demo's 256)."""
+    finish together (batch k to process k % N left the long-context batches, which sort last, on one process)."""
     load = [0.0] * num_processes
     owner = [0] * len(costs)
     for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
