@@ -5,10 +5,9 @@ its lm_head of it) and the taps [T, n*h] = cat(hidden_states[i] for i in feature
 state itself when feature_layers is [L]). Three sources, chosen by the run config (train/config.py):
 
 - online: one target forward per batch (the default);
-- in memory (`feature_cache: true`): each row computed alone, then kept; one process computes a row at its first
-  use; N processes compute every row once before training, each its N-th share, and hand them to one another
-  (`fill_memory`: left lazy, each process would compute nearly every row itself over the epochs, as each epoch's
-  order deals a row to another process, N times the target forwards);
+- in memory (`feature_cache: true`): every row computed alone once before training and kept (`fill_memory`); N
+  processes compute each its N-th share and hand the rows to one another (computed lazily at first use instead, each
+  process would come to compute nearly every row, as each epoch's order deals a row to another process);
 - on disk (`feature_cache_dir`): sharded safetensors files in `feature_cache_dtype` (default the target's dtype),
   written once before training (resumable: a missing shard is written again), refused when written for other rows,
   target or settings. `build_cache_only` writes the cache and stops. A cache is shared by every trainer with the same
@@ -74,20 +73,19 @@ class FeatureSource:
         """(taps [T_r, n*h], final [T_r, h]) of row r, computed alone (no padding: the same values in any batch)."""
         if self.mode == "disk":
             return self._read(r)
-        if r not in self.memory:
-            out = self.compute(r)
-            if self.mode != "memory":
-                return out
-            self.memory[r] = out
-        return self.memory[r]
+        return self.memory[r]  # filled before training (fill_memory)
 
     def fill_memory(self, accelerator: Accelerator, chunk_rows: int = 16) -> None:
         """Every row in memory on every process, each computed once: process p computes rows p, p + N, ... in rounds
-        of chunk_rows, and each round's rows go to every process (on the CPU: batch() moves them to the device)."""
+        of chunk_rows; with N > 1 each round's rows go to every process, through the CPU (batch() moves them back to
+        the device)."""
         n, p = accelerator.num_processes, accelerator.process_index
         rounds = math.ceil(len(self.rows) / (n * chunk_rows))
         for k in tqdm(range(rounds), desc="target features", disable=not accelerator.is_main_process):
             mine = range(p + k * n * chunk_rows, min(len(self.rows), (k + 1) * n * chunk_rows), n)
+            if n == 1:
+                self.memory.update((r, self.compute(r)) for r in mine)
+                continue
             computed = []
             for r in mine:
                 taps, final = self.compute(r)
@@ -226,6 +224,6 @@ def open_feature_source(cfg: TrainRunConfig, target, info, rows: list[dict], fea
         source.identity = cache_identity(rows, info, feature_layers, cache_dtype, cfg.feature_cache_shard_rows)
         build_feature_cache(source, source.identity, info.hidden_size, accelerator, cfg.feature_cache_writer,
                             request_only=cfg.build_cache_only)
-    elif mode == "memory" and accelerator.num_processes > 1:
+    elif mode == "memory":
         source.fill_memory(accelerator)
     return source
