@@ -52,6 +52,8 @@ class NgramTable:
         counts: dict[tuple[int, ...], collections.Counter] = collections.defaultdict(collections.Counter)
         read = 0
         for row in rows:
+            if read >= config.max_tokens:
+                break
             ids, mask = list(row["input_ids"]), list(row["loss_mask"])
             for i in range(1, len(ids)):
                 if read >= config.max_tokens:
