@@ -9,7 +9,7 @@ from heads.chat import render_chat, stop_token_ids
 from inference.cpu_linear import linear_kernel
 from test_selfdistill import read_rows, tiny_cfg, write_prompts
 from train.bench_selfdistill import generate_padded
-from train.packed_decode import PackedDecoder
+from train.packed_decode import PackedDecoder, prefix_reusable, shared_prefix
 from train.selfdistill import run_selfdistill
 
 STOP = {3}
@@ -40,6 +40,43 @@ def test_answers_do_not_depend_on_rows_beside_them(one_thread):
         decoder.max_rows = max_rows
         assert decoder.generate(prompts, seeds=list(range(10))) == alone
     assert decoder.generate(prompts[3:5], seeds=[3, 4]) == alone[3:5]
+
+
+def test_shared_prefix_and_where_its_states_are_reusable():
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == [1, 2]
+    assert shared_prefix([[1, 2], [3]]) == [] and shared_prefix([[1, 2, 3]]) == []
+    assert shared_prefix([[1, 2, 3], [1, 2, 3, 4]]) == [1, 2, 3]
+    # query blocks of 32 rows under 192 tokens, 64 under 768, 256 beyond; the prefix's blocks end inside the prompt
+    assert prefix_reusable(24, 32) and not prefix_reusable(24, 31)
+    assert prefix_reusable(40, 64) and not prefix_reusable(40, 63)
+    assert prefix_reusable(130, 191) and not prefix_reusable(170, 191) and prefix_reusable(170, 192)
+    assert prefix_reusable(300, 768) and not prefix_reusable(513, 800)  # its blocks end 512 / 768 keys in
+    assert prefix_reusable(512, 767) and not prefix_reusable(513, 767)
+    assert not prefix_reusable(0, 100) and not prefix_reusable(64, 64)  # nothing shared; nothing after it
+
+
+@pytest.mark.parametrize("shared", [20, 40, 130])
+def test_a_shared_prefix_run_once_gives_the_same_logits_bit_for_bit(shared, one_thread):
+    # an unscaled random model (near-ties everywhere); prompts on both sides of the 32 / 192 / 768-token query blocks,
+    # some too short for the prefix to be reused (computed in full), all admitted over several steps
+    model = tiny_model("llama")
+    generator = torch.Generator().manual_seed(shared)
+    prefix = torch.randint(4, 128, (shared,), generator=generator).tolist()
+    lengths = [shared + 1, 33, 63, 65, 150, 191, 192, 300, 700, 767, 768, 800]
+    prompts = [prefix + torch.randint(4, 128, (max(1, n - shared),), generator=generator).tolist() for n in lengths]
+    runs = {}
+    for share in (False, True):
+        decoder = PackedDecoder(model, max_new_tokens=6, stop_ids=STOP, max_rows=5, share_prefix=share)
+        fed, logits = [], []
+        forward, pick = decoder._forward, decoder._pick
+        decoder._forward = lambda step, ids, positions, last: (fed.append(len(ids)), forward(step, ids, positions, last))[1]
+        decoder._pick = lambda step_logits, rows: (logits.append(step_logits), pick(step_logits, rows))[1]
+        runs[share] = decoder.generate(prompts, seeds=[0] * len(prompts)), fed, logits
+    (plain, plain_fed, plain_logits), (shared_run, shared_fed, shared_logits) = runs[False], runs[True]
+    assert shared_run == plain and len(shared_logits) == len(plain_logits)
+    assert all(torch.equal(a, b) for a, b in zip(shared_logits, plain_logits))
+    reused = sum(prefix_reusable(shared, len(p)) for p in prompts) - 1  # the first reusable one computes it
+    assert reused >= 6 and sum(plain_fed) - sum(shared_fed) == reused * shared
 
 
 def test_rows_decoded_together_are_capped_by_the_cache_size(one_thread):

@@ -8,6 +8,8 @@ Methods, interleaved (every repeat runs each method at each of its batch sizes o
   batch ends.
 - `packed`: train/packed_decode.py (the hf engine now): continuous batching, `batch size` rows decoded together
   (selfdistill's `hf_rows`, 128 by default; 64 before).
+- `packed_no_prefix`: the same without sharing the prompts' common start (each prompt's every token through the
+  linear layers, as before 2026-12-05).
 Each method's answers are compared with `generate` at the first batch size; the prompts are the first user turns, the
 order is selfdistill's (length-sorted). Timings on a shared machine: read the spread, and the machine's load printed.
 """
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[64, 128], help="packed: rows decoded together")
     parser.add_argument("--generate_batch_sizes", type=int, nargs="+", default=[16], help="generate: rows a batch")
-    parser.add_argument("--methods", nargs="+", default=["generate", "packed"], choices=["generate", "packed"])
+    parser.add_argument("--methods", nargs="+", default=["generate", "packed"],
+                        choices=["generate", "packed", "packed_no_prefix"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
@@ -76,8 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, torch threads {torch.get_num_threads()}, "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
-    decoder = PackedDecoder(model, args.max_new_tokens, stop_ids)
-    sizes = {"generate": args.generate_batch_sizes, "packed": args.batch_sizes}
+    decoders = {"packed": PackedDecoder(model, args.max_new_tokens, stop_ids),
+                "packed_no_prefix": PackedDecoder(model, args.max_new_tokens, stop_ids, share_prefix=False)}
+    sizes = {"generate": args.generate_batch_sizes, "packed": args.batch_sizes, "packed_no_prefix": args.batch_sizes}
     runs = {(m, b): [] for m in args.methods for b in sizes[m]}
     reference = None
     for repeat in range(args.repeats):
@@ -87,19 +91,19 @@ def main(argv: list[str] | None = None) -> None:
                 answers = generate_padded(model, prompts, tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
                                           batch_size)
             else:
-                decoder.max_rows = batch_size
-                answers = decoder.generate(prompts, seeds=list(range(len(prompts))))
+                decoders[method].max_rows = batch_size
+                answers = decoders[method].generate(prompts, seeds=list(range(len(prompts))))
             seconds = time.perf_counter() - start
             tokens = sum(map(len, answers))
             reference = reference or answers
             same = sum(a == r for a, r in zip(answers, reference))
             runs[(method, batch_size)].append(tokens / seconds)
-            print(f"repeat {repeat} {method:8s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
+            print(f"repeat {repeat} {method:16s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
                   f"{tokens / seconds:.1f} tok/s; answers equal to the first run's {same}/{len(prompts)}; "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
-    print("\nmethod    batch  tok/s (median, min-max over repeats)")
+    print(f"\n{'method':16s} batch  tok/s (median, min-max over repeats)")
     for (method, batch_size), rates in runs.items():
-        print(f"{method:8s} {batch_size:6d}  {statistics.median(rates):7.1f} ({min(rates):.1f}-{max(rates):.1f})")
+        print(f"{method:16s} {batch_size:5d}  {statistics.median(rates):7.1f} ({min(rates):.1f}-{max(rates):.1f})")
 
 
 if __name__ == "__main__":

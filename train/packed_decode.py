@@ -20,6 +20,17 @@ the batch, the process count or `max_rows`. (PyTorch's CPU attention rounds a on
 threads, so runs at different thread counts can part at a near-tie.) Elsewhere (GPU, bf16) the default kernels run and rows may differ in
 near-ties by batch composition.
 
+The prompts of a call share their start (the chat template's system turn and user prefix: 24 tokens of SmolLM2's
+77-token average on chat and code prompts): that prefix's linear layers run once a call, not once a prompt. The
+first prompt admitted computes it in full and leaves each layer's queries, keys and values of the prefix positions;
+every later prompt feeds only its own tokens through the linear layers, and each layer's attention gets the prefix's
+queries, keys and values put back in front, so it runs over the whole prompt exactly as before. Exact because a
+prefix position's states do not depend on the tokens after it, only on how PyTorch's CPU flash attention blocks the
+prompt: the queries in blocks of 32, 64 or 256 rows (prompts under 192 tokens, under 768, longer), each block over
+the keys up to its end in one 512-key block or more. Where every prefix row's block ends inside the prompt and at
+most 512 keys in (`prefix_reusable`), the prefix rows see the same keys in the same vector lanes with zeros past
+their own position, and their states are the same bits in every such prompt; other prompts are computed in full.
+
 The model is any transformers causal LM whose attention layers go through transformers' attention interface
 (Llama, Qwen2/3, Mistral, Gemma, ...): a custom attention function ("headstart_packed") does the cache writes and
 the per-row attention; the first step checks that every layer went through it.
@@ -60,12 +71,46 @@ class _Step:
 
     slots: torch.Tensor  # [T_real] cache slot of each real token
     positions: torch.Tensor  # [T_real] its position in the row
-    segments: list[tuple[int, int, int, int]]  # (slot, first token in the packing, tokens, row length after)
+    # (slot, first token in the packing, tokens, row length after, prefix positions put back in front of them)
+    segments: list[tuple[int, int, int, int, int]]
     dummy: bool  # one extra token at the end (a one-token step padded to 2 rows)
     cache_slots: int  # rows of the cache tensors
     capacity: int  # positions per slot
+    prefix: _Prefix
     cache: dict = field(default_factory=dict)  # layer_idx -> (keys, values) [slots, kv_heads, capacity, head_dim]
     layers_seen: set = field(default_factory=set)
+
+
+@dataclass
+class _Prefix:
+    """The start every prompt of a call shares, and each layer's states of its positions once a prompt has run them."""
+
+    tokens: list[int]
+    capture_at: int | None = None  # this step: where in the packing the prompt that computes the states starts
+    states: dict = field(default_factory=dict)  # layer_idx -> queries [heads, P, d], keys, values [kv_heads, P, d]
+
+
+def flash_query_block(query_len: int) -> int:
+    """The query rows PyTorch's CPU flash attention takes together (fp32, no mask) for a query of this length."""
+    return 32 if query_len < 192 else 64 if query_len < 768 else 256
+
+
+def prefix_reusable(shared: int, length: int) -> bool:
+    """Whether a `shared`-token prefix's states inside a prompt of `length` tokens are the bits it has in every
+    other such prompt: the query block of each prefix row ends inside the prompt, at most 512 keys in."""
+    block = flash_query_block(length)
+    blocks_end = -(-shared // block) * block
+    return 0 < shared < length and blocks_end <= min(length, 512)
+
+
+def shared_prefix(prompts: list[list[int]]) -> list[int]:
+    """The longest start all prompts share ([] for a single prompt)."""
+    if len(prompts) < 2:
+        return []
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for prompt in prompts[1:]:
+        n = next((i for i in range(n) if prompt[i] != first[i]), n)
+    return first[:n]
 
 
 def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -82,21 +127,32 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
         shape = (step.cache_slots, key.shape[1], step.capacity, key.shape[3])
         step.cache[layer] = (key.new_empty(shape), value.new_empty(shape))
     keys, values = step.cache[layer]
+    prefix = step.prefix
+    if prefix.capture_at is not None:  # a prompt computed in full leaves the prefix's states of this layer
+        c, p = prefix.capture_at, len(prefix.tokens)
+        prefix.states[layer] = (query[0, :, c:c + p].clone(), key[0, :, c:c + p].clone(), value[0, :, c:c + p].clone())
     real = step.slots.numel()
     keys[step.slots, :, step.positions] = key[0, :, :real].transpose(0, 1)  # [T_real, kv_heads, d]
     values[step.slots, :, step.positions] = value[0, :, :real].transpose(0, 1)
     window = getattr(module, "sliding_window", None)
     outputs = []
-    for slot, start, n, end in step.segments:
+    for slot, start, n, end, shared in step.segments:
+        rows = query[:, :, start:start + n]  # [1, heads, n, d]
+        if shared:  # the prefix's states back in front: the attention runs over the whole prompt
+            prefix_queries, prefix_keys, prefix_values = prefix.states[layer]
+            keys[slot, :, :shared] = prefix_keys
+            values[slot, :, :shared] = prefix_values
+            rows = torch.cat([prefix_queries[None], rows], dim=2)  # [1, heads, shared + n, d]
         first = 0
         if window is not None and end > window:
-            if n > 1:
-                raise PackedDecodeError(f"a prompt of {n} tokens is longer than the target's sliding window ({window}):"
-                                        " lower --max_length below it, or use --backend vllm")
+            if rows.shape[2] > 1:
+                raise PackedDecodeError(f"a prompt of {end} tokens is longer than the target's sliding window "
+                                        f"({window}): lower --max_length below it, or use --backend vllm")
             first = end - window  # kv positions (p - window, p]
-        outputs.append(F.scaled_dot_product_attention(
-            query[:, :, start:start + n], keys[slot:slot + 1, :, first:end], values[slot:slot + 1, :, first:end],
-            is_causal=n > 1, scale=scaling, enable_gqa=True))  # [1, heads, n, d]
+        out = F.scaled_dot_product_attention(
+            rows, keys[slot:slot + 1, :, first:end], values[slot:slot + 1, :, first:end],
+            is_causal=rows.shape[2] > 1, scale=scaling, enable_gqa=True)  # [1, heads, shared + n, d]
+        outputs.append(out[:, :, shared:])
     if step.dummy:
         outputs.append(query.new_zeros(1, query.shape[1], 1, value.shape[3]))
     return torch.cat(outputs, dim=2).transpose(1, 2), None
@@ -118,10 +174,11 @@ def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class PackedDecoder:
     def __init__(self, model, max_new_tokens: int, stop_ids: set[int], max_rows: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, cache_gib: float = 4.0):
+                 temperature: float = 0.0, top_p: float = 1.0, cache_gib: float = 4.0, share_prefix: bool = True):
         self.model = model
         self.max_new_tokens, self.stop_ids, self.max_rows = max_new_tokens, set(stop_ids), max_rows
         self.cache_gib = cache_gib
+        self.share_prefix = share_prefix  # the prompts' shared start through the linear layers once a call
         self.temperature, self.top_p = temperature, top_p
         self.device = next(model.parameters()).device
         # the oneDNN twins of the model's linear layers, swapped in for each call only (the model stays as given)
@@ -197,6 +254,8 @@ class PackedDecoder:
         free = list(range(slots))
         live: list[_Row] = []
         cache: dict = {}
+        # the exactness argument holds for fp32 on the CPU (oneDNN linears, flash attention); elsewhere all run in full
+        prefix = _Prefix(shared_prefix(prompts) if self.share_prefix and self.batch_invariant else [])
         with self._packed_model():
             while queue or live:
                 admitted = []
@@ -208,24 +267,32 @@ class PackedDecoder:
                     admitted.append(_Row(j, free.pop(0), generator=generator))
                 ids, positions, token_slots, segments, last = [], [], [], [], []
                 for row in live:  # one token each: the one written last step
-                    segments.append((row.slot, len(ids), 1, row.length + 1))
+                    segments.append((row.slot, len(ids), 1, row.length + 1, 0))
                     ids.append(row.tokens[-1])
                     positions.append(row.length)
                     token_slots.append(row.slot)
                     last.append(len(ids) - 1)
-                for row in admitted:  # the whole prompt
+                prefix.capture_at = None
+                for row in admitted:  # the whole prompt, or its tokens after the prefix once the prefix has run
                     prompt = prompts[row.index]
-                    segments.append((row.slot, len(ids), len(prompt), len(prompt)))
-                    ids += prompt
-                    positions += range(len(prompt))
-                    token_slots += [row.slot] * len(prompt)
+                    shared = 0
+                    if prefix_reusable(len(prefix.tokens), len(prompt)):
+                        if prefix.states or prefix.capture_at is not None:
+                            shared = len(prefix.tokens)
+                        else:
+                            prefix.capture_at = len(ids)
+                    segments.append((row.slot, len(ids), len(prompt) - shared, len(prompt), shared))
+                    ids += prompt[shared:]
+                    positions += range(shared, len(prompt))
+                    token_slots += [row.slot] * (len(prompt) - shared)
                     last.append(len(ids) - 1)
-                step = _Step(torch.tensor(token_slots, device=self.device), torch.tensor(positions, device=self.device), segments, dummy=len(ids) == 1,
-                             cache_slots=slots, capacity=capacity, cache=cache)
+                step = _Step(torch.tensor(token_slots, device=self.device), torch.tensor(positions, device=self.device),
+                             segments, dummy=len(ids) == 1, cache_slots=slots, capacity=capacity, prefix=prefix,
+                             cache=cache)
                 rows = live + admitted
                 picked = self._pick(self._forward(step, ids, positions, last), rows)
                 live = []
-                for row, token, (_, _, n, end) in zip(rows, picked, segments):
+                for row, token, (_, _, _, end, _) in zip(rows, picked, segments):
                     row.length = end
                     row.tokens.append(token)
                     if token in self.stop_ids or len(row.tokens) == self.max_new_tokens:
