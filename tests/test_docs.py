@@ -223,7 +223,10 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
     elif module == "inference.generate":
         assert "tau" in printed
     elif module == "train.bench_selfdistill":
-        assert "batch  tok/s (median" in printed and "packed" in printed and "generate" in printed
+        methods = args[args.index("--methods") + 1:] if "--methods" in args else ["generate", "packed"]
+        methods = methods[:next((i for i, a in enumerate(methods) if a.startswith("--")), len(methods))]
+        assert "batch  tok/s (median" in printed
+        assert all(f"\n{method} " in printed for method in methods)  # a summary row for each method asked for
     elif module == "inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "inference.replay":
