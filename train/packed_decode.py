@@ -20,8 +20,8 @@ the batch, the process count or `max_rows`. (PyTorch's CPU attention rounds a on
 threads, so runs at different thread counts can part at a near-tie.) Elsewhere (GPU, bf16) the default kernels run and rows may differ in
 near-ties by batch composition.
 
-The prompts of a call share their start (the chat template's system turn and user prefix: 24 tokens of SmolLM2's
-77-token average on chat and code prompts): that prefix's linear layers run once a call, not once a prompt. The
+The prompts of a call share their start (the chat template's system turn and user prefix, or a system prompt of
+the user's): that prefix's linear layers run once a call, not once a prompt. The
 first prompt admitted computes it in full and leaves each layer's queries, keys and values of the prefix positions;
 every later prompt feeds only its own tokens through the linear layers, and each layer's attention gets the prefix's
 queries, keys and values put back in front, so it runs over the whole prompt exactly as before. Exact because a
