@@ -7,7 +7,9 @@
 It serves what train/engines.py asks of vLLM: GET /v1/models (id = the model directory, `max_model_len`), POST
 /tokenize and POST /v1/completions (prompt as token ids, `stop_token_ids`, `return_token_ids`). Switches for the
 bad-input tests: another model name, no /tokenize, another tokenizer, no token ids, a smaller context (exposed or
-only enforced), and `die_after`: SIGKILL itself when request N+1 of /v1/completions arrives.
+only enforced), `die_after`: SIGKILL itself when request N+1 of /v1/completions arrives, and `reply`: a malformed
+completion (REPLY_MODES) from completion request `bad_from` on (request 0 is the client's probe), among them `drip`:
+the reply sent one byte every `drip_s` seconds, forever (`dripped` counts the bytes sent).
 """
 
 from __future__ import annotations
@@ -33,6 +35,24 @@ class FakeSettings:
     tokenizer_shift: int = 0  # > 0: /tokenize answers other ids (another tokenizer)
     token_ids: bool = True  # return token_ids
     die_after: int = -1  # >= 0: SIGKILL this process when completion request die_after + 1 arrives
+    reply: str = "good"  # one of REPLY_MODES: what completion requests from number bad_from on (0 = the first) get
+    bad_from: int = 1
+    drip_s: float = 0.01  # reply "drip": seconds between bytes
+
+
+# malformed completions: how each mode changes a good reply's first choice (the ids it would have returned: `ids`)
+REPLY_MODES = {
+    "good": lambda choice, ids: choice,
+    "oov": lambda choice, ids: {**choice, "token_ids": [60000, 123456] + ids},  # outside any tiny vocabulary
+    "empty": lambda choice, ids: {**choice, "token_ids": [], "text": "", "finish_reason": "stop"},
+    "no_choices": None,  # "choices": []
+    "no_token_ids": lambda choice, ids: {k: v for k, v in choice.items() if k != "token_ids"},
+    "null_token_ids": lambda choice, ids: {**choice, "token_ids": None},
+    "string_token_ids": lambda choice, ids: {**choice, "token_ids": [str(t) for t in ids]},
+    "negative_token_ids": lambda choice, ids: {**choice, "token_ids": [-1] + ids},
+    "aborted": lambda choice, ids: {**choice, "finish_reason": "abort"},
+    "drip": None,  # handled by the request handler
+}
 
 
 class FakeServer:
@@ -44,6 +64,8 @@ class FakeServer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.lock = threading.Lock()  # one generate at a time (torch threads are shared)
         self.completions = 0
+        self.dripped = 0  # bytes sent by "drip" replies
+        self.stopped = threading.Event()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
@@ -52,16 +74,22 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
+        self.stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    @torch.no_grad()
-    def complete(self, body: dict) -> tuple[int, dict]:
+    def reply_mode(self) -> str:
+        """Count a completion request; the reply mode it gets (SIGKILL here when die_after says so)."""
         s = self.settings
         with self.lock:
             self.completions += 1
             if 0 <= s.die_after < self.completions:
                 os.kill(os.getpid(), signal.SIGKILL)
+            return s.reply if self.completions > s.bad_from else "good"
+
+    @torch.no_grad()
+    def complete(self, body: dict, mode: str = "good") -> tuple[int, dict]:
+        s = self.settings
         prompt = body["prompt"]
         if len(prompt) + body["max_tokens"] > s.max_model_len:
             return 400, {"error": {"message": f"This model's maximum context length is {s.max_model_len} tokens. "
@@ -81,7 +109,22 @@ class FakeServer:
         choice = {"index": 0, "text": self.tokenizer.decode(new), "finish_reason": finished}
         if s.token_ids and body.get("return_token_ids"):
             choice["token_ids"] = new
-        return 200, {"object": "text_completion", "model": body["model"], "choices": [choice]}
+        choices = [] if mode == "no_choices" else [REPLY_MODES[mode](choice, new)]
+        return 200, {"object": "text_completion", "model": body["model"], "choices": choices}
+
+    def drip(self, wfile) -> None:
+        """A reply sent one byte every drip_s seconds, forever: the headers of a large body, then the body."""
+        reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n{"
+        sent = 0
+        while not self.stopped.wait(self.settings.drip_s):
+            try:
+                wfile.write(reply[sent: sent + 1] if sent < len(reply) else b" ")
+                wfile.flush()
+            except OSError:  # the client gave up
+                return
+            sent += 1
+            with self.lock:
+                self.dripped += 1
 
     def _handler(self):
         server = self
@@ -111,7 +154,11 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 s = server.settings
                 if self.path == "/v1/completions":
-                    return self._send(*server.complete(body))
+                    mode = server.reply_mode()
+                    if mode == "drip":
+                        self.close_connection = True
+                        return server.drip(self.wfile)
+                    return self._send(*server.complete(body, mode))
                 if self.path == "/tokenize" and s.tokenize:
                     ids = server.tokenizer(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
                     return self._send(200, {"tokens": [i + s.tokenizer_shift for i in ids["input_ids"]]})

@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -245,8 +246,10 @@ class PackedDecoder:
         return picked
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
-        """The tokens written after each prompt, ending with the stop token when one was written."""
+    def generate(self, prompts: list[list[int]], seeds: list[int],
+                 on_answers: Optional[Callable[[int], object]] = None) -> list[list[int]]:
+        """The tokens written after each prompt, ending with the stop token when one was written; on_answers(1) is
+        told as each answer is finished (progress)."""
         answers: list[list[int] | None] = [None] * len(prompts)
         queue = collections.deque(range(len(prompts)))
         capacity = max(len(p) for p in prompts) + self.max_new_tokens
@@ -298,6 +301,8 @@ class PackedDecoder:
                     if token in self.stop_ids or len(row.tokens) == self.max_new_tokens:
                         answers[row.index] = row.tokens
                         free.append(row.slot)
+                        if on_answers is not None:
+                            on_answers(1)
                     else:
                         live.append(row)
         return answers

@@ -39,7 +39,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -133,12 +133,20 @@ def render_with_mask(
 # batches of conversations, turn by turn
 
 
+def prompts_of(row: PromptRow, cfg: SelfDistillConfig) -> int:
+    """The prompts (user turns) a conversation may ask of the target: what the progress bar counts."""
+    return min(len(row.turns), cfg.max_turns)
+
+
 def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg: SelfDistillConfig,
-                    eos_ids: set[int]) -> dict[int, tuple[list[dict], collections.Counter, int]]:
+                    eos_ids: set[int], progress: Optional[Callable[[int], object]] = None
+                    ) -> dict[int, tuple[list[dict], collections.Counter, int]]:
     """Answer up to max_turns user turns of each conversation of several batches (batch index -> its rows) through
     `engine` (train/engines.py): one engine call per turn for all of them. Prompt j asked of batch k at turn t gets
     the seed request_seed(cfg.seed + 1000 * k + t, j), so a batch's rows do not depend on the batches beside it.
-    Returns, per batch index, (records, skip counts, tokens generated)."""
+    progress(n) is told of every prompt (prompts_of) as it is answered, or as it is left unasked (a conversation
+    stopped early). Returns, per batch index, (records, skip counts, tokens generated)."""
+    progress = progress or (lambda n: None)
     convs = [(k, i, row) for k, rows in batches.items() for i, row in enumerate(rows)]  # every conversation
     skipped = {k: collections.Counter() for k in batches}
     messages: list[list[dict]] = []
@@ -158,6 +166,7 @@ def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg:
             if len(ids) + cfg.max_new_tokens > cfg.max_length:
                 skipped[k]["prompt_too_long" if turn == 0 else "turns_cut_by_max_length"] += 1
                 stopped[c] = True
+                progress(prompts_of(row, cfg) - turn)  # this turn and the later ones: not asked
                 continue
             active.append(c)
             prompts.append(ids)
@@ -165,7 +174,7 @@ def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg:
             asked[k] += 1
         if not active:
             break
-        answers = engine.generate(prompts, seeds)
+        answers = engine.generate(prompts, seeds, on_answers=progress)
         for new, c in zip(answers, active):
             k, _, row = convs[c]
             ended = False
@@ -177,6 +186,7 @@ def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg:
             if not answer:
                 skipped[k]["empty_answer"] += 1
                 stopped[c] = True
+                progress(prompts_of(row, cfg) - turn - 1)  # the later turns: not asked
                 continue
             if not ended:
                 skipped[k]["answers_cut_by_max_new_tokens"] += 1  # counted, kept: the target wrote these tokens
@@ -373,20 +383,21 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     # rows do not depend on the grouping
     per_call = max(1, cfg.prompts_per_call // cfg.batch_size)
     groups = [todo[s: s + per_call] for s in range(0, len(todo), per_call)]
-    bar = tqdm(total=len(todo), desc=f"self-distill [{accelerator.process_index}]",
-               disable=not accelerator.is_local_main_process)
+    # the bar counts prompts (user turns asked of the target) as they are answered, not engine calls; closed before
+    # an error's line is printed
     start, tokens = time.perf_counter(), 0
-    for group in groups:
-        results = distill_batches(engine, tokenizer, {k: [source.rows[i] for i in batches[k]] for k in group}, cfg,
-                                  eos_ids)
-        for k, (records, skipped, generated) in results.items():
-            for record in records:
-                record["source_index"] = batches[k][record.pop("batch_position")]
-            _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
-                                                                  "generated_tokens": generated})
-            tokens += generated
-        bar.update(len(group))
-        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+    with tqdm(total=sum(prompts_of(source.rows[i], cfg) for k in todo for i in batches[k]), unit="prompt",
+              desc=f"self-distill [{accelerator.process_index}]", disable=not accelerator.is_local_main_process) as bar:
+        for group in groups:
+            results = distill_batches(engine, tokenizer, {k: [source.rows[i] for i in batches[k]] for k in group},
+                                      cfg, eos_ids, progress=bar.update)
+            for k, (records, skipped, generated) in results.items():
+                for record in records:
+                    record["source_index"] = batches[k][record.pop("batch_position")]
+                _write_json_atomic(parts_dir / f"batch_{k:06d}.json", {"records": records, "skipped": dict(skipped),
+                                                                      "generated_tokens": generated})
+                tokens += generated
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
     elapsed = time.perf_counter() - start
     accelerator.wait_for_everyone()
 
