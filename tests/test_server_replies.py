@@ -56,7 +56,7 @@ def engine_for(tiny_target_dir, tokenizer, server, clock=None, **kw):
 PROMPT = [5, 6, 7, 8]
 
 
-# ------------------------------------------------------------------------------------------ 6. ids outside the vocabulary
+# ------------------------------------------------------------------------------------ 6. ids outside the vocabulary
 
 
 def test_out_of_vocabulary_ids_are_an_error_never_a_row(tiny_target_dir, tokenizer, fake):

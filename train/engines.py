@@ -50,7 +50,7 @@ SERVE_COMMAND = "python -m vllm.entrypoints.openai.api_server --model DIR --port
 SERVE_TOKEN_IDS = ("serve the target with vLLM >= 0.10.2 or SGLang (servers that return the generated token_ids), or "
                    "use --backend vllm / hf")
 SERVE_TARGET = "the server runs another model or tokenizer than the target: serve the target's own model directory"
-RESTART = "restart it (vLLM >= 0.10.2 or SGLang serving the target) and rerun: finished batches are kept"
+RESTART = "restart it (vLLM >= 0.10.2 or SGLang serving the target)"
 FINISH_REASONS = ("stop", "length")
 
 
@@ -207,8 +207,8 @@ class _DeadlineStream(httpcore.NetworkStream):
         self.stream.close()
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
-        stream = self.stream.start_tls(ssl_context, server_hostname, self.deadline.cap(timeout, httpcore.ConnectTimeout))
-        return _DeadlineStream(stream, self.deadline)
+        timeout = self.deadline.cap(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self.stream.start_tls(ssl_context, server_hostname, timeout), self.deadline)
 
     def get_extra_info(self, info: str):
         return self.stream.get_extra_info(info)
@@ -363,8 +363,9 @@ class OpenAIEngine:
         models = _http_json(self.client, self.deadline, f"{server.url}/v1/models", None, timeout=30)
         listed = models.get("data") if isinstance(models, dict) else None
         if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
-            raise EngineError(f"{server.url}/v1/models answered {_excerpt(models)}, not a list of models under \"data\":"
-                              f" pass the base URL of an OpenAI-compatible server started with `{SERVE_COMMAND}`")
+            raise EngineError(f"{server.url}/v1/models answered {_excerpt(models)}, not a list of models under "
+                              "\"data\": pass the base URL of an OpenAI-compatible server started with "
+                              f"`{SERVE_COMMAND}`")
         served = next((m for m in listed if _names_target(m, self.cfg.target)), None)
         if served is None:
             raise EngineError(
@@ -433,7 +434,7 @@ class OpenAIEngine:
             live = [s for s in self.servers if s.alive]
             if not live:
                 bad = next((s.last_error for s in self.servers if isinstance(s.last_error, BadReply)), None)
-                fix = (f"{bad.fix}; then rerun the same command" if bad else
+                fix = (f"{bad.fix}, then rerun the same command" if bad else
                        "restart them and rerun the same command (any --server_url); a server too slow for "
                        f"--request_timeout_s {self.cfg.request_timeout_s:g} (a total deadline per request) may need a "
                        "larger one or a lower --max_in_flight")
@@ -464,7 +465,8 @@ class OpenAIEngine:
                 if isinstance(err, BadReply):
                     bad_replies += 1
                     if bad_replies >= self.cfg.max_retries:
-                        raise EngineError(f"{_failure(server)} ({bad_replies} tries of one prompt): {err.fix}") from err
+                        raise EngineError(f"{_failure(server)} ({bad_replies} tries of one prompt): {err.fix}, then "
+                                          "rerun the same command: finished batches are kept") from err
                 time.sleep(min(8.0, 0.25 * 2 ** attempt))  # backoff
                 attempt += 1
                 continue
