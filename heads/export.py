@@ -9,9 +9,10 @@
     export_heads("runs/eagle3-smollm2/heads", "out/eagle3-vllm", "vllm")   # -> Path("out/eagle3-vllm")
 
 The output directory holds `config.json` and `model.safetensors` in the engine's own layout, `README.md` (a model
-card: the launch command, the target to pair it with, the acceptance headstart measured) and `export.json` (what was
-converted, and how). What an engine cannot represent is refused with the reason (ExportError), never dropped
-silently (engines skip unknown tensors and config keys without a word).
+card: the launch command, the target to pair it with, the acceptance headstart measured), `export.json` (what was
+converted, and how) and `.headstart-run.json` (the files the export owns there: heads/output_dir.py). What an engine
+cannot represent is refused with the reason (ExportError), never dropped silently (engines skip unknown tensors and
+config keys without a word).
 
 What each engine loads, and how a heads directory becomes it: heads/export_formats.py; the model card and
 launch commands: heads/export_card.py.
