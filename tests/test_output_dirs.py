@@ -18,7 +18,7 @@ import torch
 from heads.export import export_heads
 from heads.export import main as export_main
 from heads.medusa import MedusaConfig, MedusaHeads
-from heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, RunKind, check_output_dir, claim_output_dir,
+from heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_dir, claim_output_dir,
                               write_file)
 from heads.target import load_target
 from test_medusa_train import base_args, heads_state, write_selfdistilled
@@ -370,3 +370,14 @@ def test_files_get_the_users_umask(tiny_target_dir, sd_dir, tmp_path, monkeypatc
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in files}
     assert all(mode == ("0o755" if (tmp_path / p).is_dir() else "0o644") for p, mode in modes.items()), modes
     assert oct(cached.stat().st_mode & 0o777) == "0o755"
+
+
+def test_a_trainer_refuses_its_data_dir_as_output_dir(tiny_target_dir, sd_dir):
+    """Refused before anything is read or self-distilled: the trainer's files go into a folder of their own."""
+    from train.config import ConfigError
+    from train.medusa import main as medusa_main
+
+    before = tree_of(sd_dir)
+    with pytest.raises(ConfigError, match="output_dir and data_dir are one directory"):
+        medusa_main(base_args(tiny_target_dir, sd_dir, sd_dir, "--max_steps", "1"))
+    assert tree_of(sd_dir) == before

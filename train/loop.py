@@ -126,6 +126,9 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     """Data first (self-distilling starts accelerate's state), then the accelerator, the frozen target and the rows.
     The output_dir is checked first and claimed (locked) once the accelerator says which process is the main one."""
     output_dir = Path(cfg.output_dir)
+    if output_dir.resolve() == Path(cfg.data_dir).resolve():
+        raise ConfigError(f"output_dir and data_dir are one directory ({output_dir}): a trainer writes into a folder "
+                          "of its own; pass another --output_dir")
     check_output_dir(output_dir, train_run_kind(cfg.method))  # refused before any data is self-distilled
     dataset, meta = ensure_data(cfg)
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
