@@ -18,6 +18,8 @@ from typing import Any
 
 from torch import nn
 
+from heads.output_dir import honour_umask
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ADAPTER_DIR = "adapter"
@@ -39,6 +41,7 @@ class HeadsModule(nn.Module):
         heads_dir.mkdir(parents=True, exist_ok=True)
         (heads_dir / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
         save_model(self, str(heads_dir / WEIGHTS_NAME))
+        honour_umask(heads_dir / WEIGHTS_NAME)  # safetensors writes 0600, whatever the umask
         return heads_dir
 
 

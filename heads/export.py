@@ -9,9 +9,10 @@
     export_heads("runs/eagle3-smollm2/heads", "out/eagle3-vllm", "vllm")   # -> Path("out/eagle3-vllm")
 
 The output directory holds `config.json` and `model.safetensors` in the engine's own layout, `README.md` (a model
-card: the launch command, the target to pair it with, the acceptance headstart measured) and `export.json` (what was
-converted, and how). What an engine cannot represent is refused with the reason (ExportError), never dropped
-silently (engines skip unknown tensors and config keys without a word).
+card: the launch command, the target to pair it with, the acceptance headstart measured), `export.json` (what was
+converted, and how) and `.headstart-run.json` (the files the export owns there: heads/output_dir.py). What an engine
+cannot represent is refused with the reason (ExportError), never dropped silently (engines skip unknown tensors and
+config keys without a word).
 
 What each engine loads, and how a heads directory becomes it: heads/export_formats.py; the model card and
 launch commands: heads/export_card.py.
@@ -34,6 +35,8 @@ import torch
 from heads.export_card import launch_snippets, model_card
 from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
                                   medusa_export, target_hub_id)
+from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
+                              honour_umask, owned_entries, read_manifest, record_entries)
 
 FORMATS = ("vllm", "sglang", "speculators")
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
@@ -62,7 +65,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     source = resolve_heads_dir(heads_dir)
     out = Path(out_dir)
-    _check_out_dir(source, out, overwrite)
+    _check_out_dir(source, out, fmt, overwrite)
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
@@ -85,37 +88,49 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
 
     from safetensors.torch import save_file
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()  # mode from the umask (tempfile.mkdtemp's 0700 would be kept by the rename)
-    try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        files = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".pt")}  # files of their own
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        for name, content in files.items():
-            torch.save(content, tmp / name)
-        info = {"format": fmt, "method": method, "source": str(heads_dir), "target": cfg.target,
-                "target_hub_id": hub_id, "num_speculative_tokens": k, "notes": notes,
-                "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
-        (tmp / "export.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-        (tmp / "README.md").write_text(model_card(info, metrics, repo_id or str(out)))
-        if not out.exists():
-            os.replace(tmp, out)
-        else:  # empty, or an earlier export: replace its files only, anything else in it stays
+    kind = export_run_kind(fmt)
+    with claim_output_dir(out, kind), disk_full_is_one_line(out, "free space and rerun; the files an earlier export "
+                                                                 "left there are kept"):
+        for stale in out.glob(".export-*.tmp"):  # left by an interrupted export
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = out / f".export-{uuid.uuid4().hex[:8]}.tmp"  # inside out: nothing is written beside it
+        tmp.mkdir()
+        try:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            files = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".pt")}  # files of their own
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            for name, content in files.items():
+                torch.save(content, tmp / name)
+            info = {"format": fmt, "method": method, "source": str(heads_dir), "target": cfg.target,
+                    "target_hub_id": hub_id, "num_speculative_tokens": k, "notes": notes,
+                    "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
+            (tmp / "export.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+            (tmp / "README.md").write_text(model_card(info, metrics, repo_id or str(out)))
+            honour_umask(tmp)  # safetensors writes 0600
+            # the files an earlier export wrote (its manifest) are replaced; anything else in out stays
+            owned = owned_entries(out, kind)
             for name in EXPORT_FILES:
                 if (tmp / name).exists():
                     os.replace(tmp / name, out / name)
-                elif (out / name).exists():  # the earlier export had it, this one has not
+                elif name in owned and (out / name).is_file():  # the earlier export had it, this one has not
                     os.remove(out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            record_entries(out, kind, [name for name in EXPORT_FILES if (out / name).exists()])
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-def _check_out_dir(source: Path, out: Path, overwrite: bool) -> None:
-    """Refuse an output dir that is, holds or lies inside the source heads dir, and a non-empty one unless it is an
-    earlier export (export.json) and overwrite is set: an export only ever replaces the files an export writes."""
+def export_run_kind(fmt: str) -> RunKind:
+    """What an export writes in its output directory (heads/output_dir.py): EXPORT_FILES and its temporary folder."""
+    return RunKind(f"export:{fmt}", names=(*EXPORT_FILES, ".export-*.tmp"), markers=("export.json",),
+                   flag="output directory")
+
+
+def _check_out_dir(source: Path, out: Path, fmt: str, overwrite: bool) -> None:
+    """Refuse an output dir that is, holds or lies inside the source heads dir; one that is not new, empty or an
+    earlier export of this format (heads/output_dir.py: its manifest, or an earlier version's export.json and only
+    export files); and an earlier export unless overwrite is set. Nothing is written here."""
     src, dst = source.resolve(), out.resolve()
     if dst == src or src.is_relative_to(dst) or dst.is_relative_to(src):
         where = "is" if dst == src else "holds" if src.is_relative_to(dst) else "lies inside"
@@ -123,14 +138,16 @@ def _check_out_dir(source: Path, out: Path, overwrite: bool) -> None:
                           f"new directory, e.g. {source.parent / (source.name + '-export')}")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} is a file: pass a directory for the export")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    if not (out / "export.json").is_file():
-        raise ExportError(f"{out} is not empty and holds no export.json, so it is not an earlier export: "
-                          "pass a new or empty directory (--overwrite replaces only an earlier export's files)")
-    if not overwrite:
-        raise ExportError(f"{out} is not empty (an earlier export): pass overwrite=True (--overwrite) to replace it, "
-                          "or another directory")
+    kind = export_run_kind(fmt)
+    if out.is_dir() and read_manifest(out) is None and (out / "export.json").exists():
+        info = _read_json(out / "export.json")  # an earlier version's export has no manifest: its export.json tells
+        if not {"format", "method", "headstart_config"} <= info.keys() or info["format"] != fmt:
+            raise ExportError(f"{out} holds an export.json that is not headstart's {fmt} export, so it is not an earlier "
+                              "export: pass a new or empty directory (--overwrite replaces only an earlier export's files)")
+    check_output_dir(out, kind)
+    if any((out / name).exists() for name in EXPORT_FILES) and not overwrite:
+        raise ExportError(f"{out} is not empty (an earlier export): pass overwrite=True (--overwrite) to replace its "
+                          "files, or another directory")
 
 
 def _read_json(file: Path) -> dict:
@@ -174,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         out = export_heads(args.heads_dir, args.out_dir, args.fmt, target=args.target, target_id=args.target_id,
                            num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
                            medusa_full_vocab=args.medusa_full_vocab, overwrite=args.overwrite)
-    except (ExportError, HeadsLoadError, TargetLoadError) as err:
+    except (ExportError, HeadsLoadError, TargetLoadError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     info = _read_json(out / "export.json")

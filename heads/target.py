@@ -30,6 +30,8 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.utils import cached_file
 
+from heads.output_dir import honour_umask
+
 EMBEDDED_ALIAS = "smollm2-135m"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -239,6 +241,7 @@ def embedded_local_dir() -> Path:
         # transformers writes model files only on rank 0 of an initialised process group: wait for its copy
         shutil.rmtree(tmp, ignore_errors=True)
         return _wait_for(target_dir / "config.json", timeout_s=900)
+    honour_umask(tmp)  # mkdtemp's 0700 and safetensors' 0600 would keep a shared cache from other users
     try:
         os.replace(tmp, target_dir)  # atomic: a concurrent process may have won the race
     except OSError:

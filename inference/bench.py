@@ -67,6 +67,7 @@ from transformers import PreTrainedModel
 
 from heads.chat import stop_token_ids
 from heads.directory import HeadsLoadError
+from heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir, write_file
 from heads.target import TargetLoadError, load_target
 from inference.bench_inputs import (BenchError, HeadsEntry, Prompt, common_target, encode_prompts, find_heads,
                                     read_prompt_rows)
@@ -303,12 +304,18 @@ def run_bench(args: argparse.Namespace, command: str) -> dict:
             "prompts": prompt_records(methods, runs, prompts)}
 
 
+# what a benchmark writes in its --output directory, and what marks one an earlier version wrote (heads/output_dir.py)
+BENCH_RUN = RunKind("bench", names=("results.json", "results.md", "speedup.png", ".*.tmp"), markers=("results.json",),
+                    flag="--output")
+
+
 def write_reports(results: dict, output: Path) -> str:
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = markdown(results)
-    (output / "results.md").write_text(table)
-    plot(results, output / "speedup.png")
+    """results.json, results.md, speedup.png in `output` (new, empty, or an earlier benchmark's)."""
+    with claim_output_dir(output, BENCH_RUN):
+        write_file(output / "results.json", json.dumps(results, indent=1) + "\n")
+        table = markdown(results)
+        write_file(output / "results.md", table)
+        plot(results, output / "speedup.png")
     return table
 
 
@@ -317,11 +324,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     command = "python -m inference.bench " + shlex.join(argv)
     try:
+        check_output_dir(Path(args.output), BENCH_RUN)  # refused before the benchmark runs
         results = run_bench(args, command)
-    except BenchError as err:
+        table = write_reports(results, Path(args.output))
+    except (BenchError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    table = write_reports(results, Path(args.output))
     print(table)
     print(f"wrote {Path(args.output) / 'results.json'}, results.md, speedup.png", file=sys.stderr)
     return 0

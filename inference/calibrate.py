@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from heads.output_dir import write_file
 from inference.adapt import PRIOR_STEP_RATIO, StepCost
 from inference.cpu_linear import linear_kernel
 from inference.forward import compact_cache, target_forward
@@ -91,12 +92,13 @@ class TreeCalibration:
 
 
 def write_tree_record(heads_dir: Path, calib: TreeCalibration, accuracy: Sequence[Sequence[float]] | None) -> None:
-    """Store a calibration as the heads dir's tree.json (with the accuracies it sized the tree for). OSError when
-    the directory is not writable (a read-only Hub cache)."""
+    """Store a calibration as the heads dir's tree.json (with the accuracies it sized the tree for), as a new file:
+    never through a tree.json that is a symbolic link (OutputDirError). OSError when the directory is not writable
+    (a read-only Hub cache)."""
     record = calib.to_json()
     if accuracy is not None:
         record["accuracy"] = [list(row) for row in accuracy]
-    (heads_dir / TREE_FILE).write_text(json.dumps(record, indent=1))
+    write_file(heads_dir / TREE_FILE, json.dumps(record, indent=1))
 
 
 def read_tree_record(path: Path) -> dict | None:

@@ -27,6 +27,7 @@ from typing import Iterable
 import torch
 
 from heads.directory import HeadsLoadError
+from heads.output_dir import honour_umask
 
 NGRAM_FILE = "ngram.safetensors"
 STOP = -1  # the key occurs, but no next token reaches min_share
@@ -97,6 +98,7 @@ class NgramTable:
         keys = torch.tensor(padded, dtype=torch.int64).reshape(-1, width)  # [M, max_n], also for M = 0
         tokens = torch.tensor(list(self.next_token.values()), dtype=torch.int64)
         save_file({"keys": keys, "next": tokens}, str(path), metadata={"config": json.dumps(asdict(self.config))})
+        honour_umask(Path(path))  # safetensors writes 0600, whatever the umask
 
     @classmethod
     def load(cls, path: str | Path) -> "NgramTable":

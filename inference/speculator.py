@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from heads.chat import stop_token_ids as default_stop_ids
 from heads.directory import HeadsLoadError, resolve_heads_dir
 from heads.load import load_heads_and_target
+from heads.output_dir import OutputDirError
 from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
@@ -202,7 +203,7 @@ class Speculator:
         if self.heads_dir is not None:
             try:
                 write_tree_record(self.heads_dir, calib, accuracy)
-            except OSError as err:  # a read-only Hub cache: keep the choice in memory only
+            except (OSError, OutputDirError) as err:  # a read-only Hub cache, a linked tree.json: kept in memory only
                 print(f"note: could not write {self.heads_dir / TREE_FILE} ({err})", file=sys.stderr)
         self._use_choices(calib.choices)
         self._use_step_cost(calib.step_ms, calib.draft_ratio)

@@ -35,7 +35,13 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from heads.output_dir import OutputDirError, RunKind, claim_output_dir  # noqa: E402
 from train.config import ConfigError, parse_config  # noqa: E402
+
+# what the demo writes in its output_dir: each stage in a folder of its own (each stage's script claims its folder),
+# and its records (heads/output_dir.py)
+DEMO_RUN = RunKind("demo", names=("sd", "medusa", "bench", "stages.json", "summary.md", "bench_runs.jsonl", ".*.tmp"),
+                   markers=("stages.json", "sd/meta.json", "sd/run.json"))
 
 
 @dataclass
@@ -102,7 +108,6 @@ class StageError(RuntimeError):
 def run_stages(cfg: DemoConfig) -> dict:
     """Run the stages not done yet; -> {stage: {"minutes", "cpu_minutes", "command"} or {"reused": True, ...}}."""
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stages_file = out / "stages.json"
     stages = json.loads(stages_file.read_text()) if stages_file.is_file() else {}
     commands = stage_commands(cfg)
@@ -209,18 +214,19 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(DemoConfig, argv)
-    stages = run_stages(cfg)
     out = Path(cfg.output_dir)
-    results = json.loads((out / "bench" / "results.json").read_text())
-    heads_metrics = json.loads((out / "medusa" / "heads" / "metrics.json").read_text())
-    text = summary(cfg, stages, results, heads_metrics, record_bench_run(out, results))
-    (out / "summary.md").write_text(text)
+    with claim_output_dir(out, DEMO_RUN):  # new, empty or an earlier demo's; one demo at a time
+        stages = run_stages(cfg)
+        results = json.loads((out / "bench" / "results.json").read_text())
+        heads_metrics = json.loads((out / "medusa" / "heads" / "metrics.json").read_text())
+        text = summary(cfg, stages, results, heads_metrics, record_bench_run(out, results))
+        (out / "summary.md").write_text(text)
     print("\n" + text, flush=True)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, StageError) as err:  # a bad flag or recipe; a failed stage: one line, exit 2
+    except (ConfigError, StageError, OutputDirError) as err:  # a bad flag or recipe; a failed stage: one line, exit 2
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -222,11 +222,11 @@ def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):
     main(base_args(tiny_target_dir, sd_dir, tmp_path / "m1", "--max_steps", "2"))  # Medusa-1 heads to start from
     with pytest.raises(ConfigError, match="differ"):
         main(base_args(tiny_target_dir, sd_dir, tmp_path / "bad", "--num_heads", "2", "--init_heads_from", tmp_path / "m1" / "heads"))
-    metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, "--method", "medusa2", "--max_steps", "6",
+    metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path / "m2", "--method", "medusa2", "--max_steps", "6",
                              "--init_heads_from", tmp_path / "m1" / "heads",
                              "--medusa2_warmup_steps", "2", "--target_learning_rate", "1e-2",
                              "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj"))
-    heads_dir = tmp_path / "heads"
+    heads_dir = tmp_path / "m2" / "heads"
     config = json.loads((heads_dir / "config.json").read_text())
     assert config["method"] == "medusa2" and config["adapter"] is True
     assert (heads_dir / "adapter" / "adapter_config.json").is_file()
@@ -237,7 +237,7 @@ def test_medusa2_adapter_round_trip(tiny_target_dir, sd_dir, tmp_path):
     agree, positions = greedy_agreement(tuned, base, held_out_rows(sd_dir, 4))
     assert 0 < agree < positions  # the adapter changed some greedy tokens, not all
     assert metrics["greedy_agreement"] == pytest.approx(agree / positions, abs=0.6 / positions)
-    log = [json.loads(x) for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(x) for x in (tmp_path / "m2" / "train_log.jsonl").read_text().splitlines()]
     # 2 heads-only warmup steps; then loss = KL + 0.2 * heads loss, KL = 0 until the LoRA B matrices move
     assert [r["loss"] == pytest.approx(r["heads_loss"]) for r in log[:2]] == [True, True]
     assert log[2]["kl"] == pytest.approx(0.0, abs=1e-6) and log[2]["loss"] == pytest.approx(0.2 * log[2]["heads_loss"])

@@ -20,6 +20,7 @@ from heads.directory import HeadsLoadError
 from heads.export import ExportError, export_heads
 from heads.load import load_heads, load_heads_and_target
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.output_dir import OutputDirError
 from heads.prompts import PromptSourceError, load_prompts
 from heads.target import load_target
 from inference.decode import SpeculatorError
@@ -87,7 +88,7 @@ def test_export_refuses_its_source_and_deletes_nothing_it_did_not_write(tmp_path
     other = tmp_path / "notes"
     other.mkdir()
     (other / "mine.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="not an earlier export"):
+    with pytest.raises(OutputDirError, match="not empty and not a headstart export:vllm run .*mine.txt"):
         export_heads(heads, other, "vllm", overwrite=True)
     assert tree_of(run) == before and (other / "mine.txt").read_text() == "keep me"
 
@@ -101,8 +102,8 @@ def test_export_refuses_its_source_and_deletes_nothing_it_did_not_write(tmp_path
     with pytest.raises(ExportError, match="not empty"):
         export_heads(heads, out, "vllm")
     export_heads(heads, out, "vllm", overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["NOTES.md", "README.md", "config.json", "export.json",
-                                                     "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".headstart-run.json", "NOTES.md", "README.md", "config.json",
+                                                     "export.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
@@ -305,13 +306,13 @@ def test_a_second_run_on_a_locked_output_dir_is_refused(tiny_target_dir, tmp_pat
     out = tmp_path / "sd"
     out.mkdir()
     prompts = write_prompts(tmp_path / "p.jsonl", 2, turns=1)
-    with open(out / ".selfdistill.lock", "a+") as held:
+    with open(out / ".headstart.lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.write("12345")
         held.flush()
-        with pytest.raises(ConfigError, match=r"another self-distillation run \(pid 12345\) is writing"):
+        with pytest.raises(OutputDirError, match=r"another headstart run \(pid 12345\) is writing"):
             run_selfdistill(tiny_cfg(tiny_target_dir, prompts, out, max_turns=1, max_new_tokens=4))
-    assert sorted(p.name for p in out.iterdir()) == [".selfdistill.lock"]
+    assert sorted(p.name for p in out.iterdir()) == [".headstart.lock"]
     run_selfdistill(tiny_cfg(tiny_target_dir, prompts, out, max_turns=1, max_new_tokens=4))  # free again
     assert (out / "dataset").is_dir()
 

@@ -9,7 +9,6 @@ state and trainer_state.json. So a run can resume with another number of process
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -25,11 +24,11 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
+from heads.output_dir import disk_full, honour_umask
 from train.cli import CheckpointError
 from train.config import TrainRunConfig
 from train.sharding import full_state, load_full_state
 
-LOW_SPACE_BYTES = 64 << 20  # a failed write with less free space than this on its filesystem: the disk is full
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # torch.save files: optimizer.bin, random_states_N.pkl, DeepSpeed's
 LAYOUT = "full-v1"  # trainer_state.json "layout": model.safetensors + optimizer.bin by name + RNG ("deepspeed": its own)
 
@@ -37,19 +36,6 @@ LAYOUT = "full-v1"  # trainer_state.json "layout": model.safetensors + optimizer
 def latest_checkpoint(output_dir: Path) -> Path | None:
     done = [p for p in (output_dir / "checkpoints").glob("step-*") if (p / "trainer_state.json").is_file()]
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def disk_full(err: BaseException, path: Path) -> str | None:
-    """'no space left on device ...' when `err`, raised writing under `path`, came from a full disk, else None.
-    torch.save reports a full disk only as 'basic_ios::clear: iostream error' or 'unexpected pos': then the free space
-    left on the filesystem (read before the partial files are removed) tells."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return "no space left on device"
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    free = shutil.disk_usage(existing).free if existing is not None else None
-    if free is not None and free < LOW_SPACE_BYTES:
-        return f"no space left on device ({free} bytes free there; {type(err).__name__}: {str(err).splitlines()[0][:120]})"
-    return None
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: TrainRunConfig, scheduler, model,
@@ -80,6 +66,7 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, cfg: 
                if kept else "No earlier checkpoint exists: free space and rerun")) from err
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        honour_umask(tmp)  # safetensors writes 0600, whatever the umask
         shutil.rmtree(ckpt, ignore_errors=True)  # an incomplete folder of that step from an earlier run
         os.replace(tmp, ckpt)
         old = sorted((p for p in root.glob("step-*") if (p / "trainer_state.json").is_file()),
@@ -183,6 +170,7 @@ def write_dir(final: Path, write: Callable[[Path], Any], latest: Path | None = N
     try:
         tmp.mkdir(parents=True)
         write(tmp)
+        honour_umask(tmp)  # safetensors writes 0600
     except Exception as err:  # see save_checkpoint
         full = disk_full(err, tmp)
         if full is None:
@@ -196,7 +184,7 @@ def write_dir(final: Path, write: Callable[[Path], Any], latest: Path | None = N
             left = (f"the last checkpoint {latest} is kept: free space and rerun with --resume" if latest else
                     "no checkpoint was kept (checkpoint_every 0): free space and rerun")
             raise CheckpointError(f"could not write {final}: {full}; nor {spare} ({spare_err}); {left}") from err
-        os.chmod(spare, 0o777 & ~_umask())
+        honour_umask(spare)
         raise CheckpointError(f"could not write {final}: {full}. It was written to {spare} instead: move that folder to "
                               f"{final} once there is space") from err
     old = final.with_name(f".{final.name}.old")
@@ -205,9 +193,3 @@ def write_dir(final: Path, write: Callable[[Path], Any], latest: Path | None = N
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

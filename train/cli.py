@@ -11,6 +11,7 @@ import torch
 
 from heads.directory import HeadsLoadError
 from heads.export import ExportError
+from heads.output_dir import OutputDirError
 from heads.prompts import PromptSourceError
 from heads.target import TargetLoadError
 from train.config import ConfigError
@@ -26,7 +27,7 @@ class CheckpointError(RuntimeError):
 
 # what a script's user can fix (recipe, flags, files, target, servers, disk): one line, exit 2; others: a traceback
 USER_ERRORS = (ConfigError, DataError, TargetLoadError, HeadsLoadError, PromptSourceError, EngineError, ExportError,
-               CheckpointError)
+               CheckpointError, OutputDirError)
 
 
 def run_main(main: Callable) -> None:

@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     all_rows = run.train_rows + run.eval_rows
     source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
     if cfg.build_cache_only:
-        end_run(accelerator)
+        end_run(accelerator, run.claim)
         return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
     # the target's frozen lm_head rows the draft scores, sliced once: [Vd, h]
     scored = draft.draft_lm_head_weight(target.get_output_embeddings().weight).detach()

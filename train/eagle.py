@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     all_rows = run.train_rows + run.eval_rows
     source = open_feature_source(cfg, target, run.info, all_rows, layers, accelerator)
     if cfg.build_cache_only:
-        end_run(accelerator)
+        end_run(accelerator, run.claim)
         return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
 
     S = cfg.ttt_steps

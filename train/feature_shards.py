@@ -1,5 +1,6 @@
 """The offline feature cache's files (train/features.py reads and writes them; scripts/vllm_features.py writes them
-from vLLM). Imports only torch, safetensors and the standard library, so vLLM's own venv can import it too.
+from vLLM). Imports only torch, safetensors, the standard library and heads/output_dir.py (standard library only), so
+vLLM's own venv can import it too.
 
 A cache directory holds:
 - `cache.json`: {"identity": what it was written for (train/features.py cache_identity), "bytes_estimate": ...,
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from heads.output_dir import honour_umask
+
 
 def shard_path(cache_dir: Path, k: int) -> Path:
     return Path(cache_dir) / f"shard-{k:05d}.safetensors"
@@ -33,7 +36,9 @@ def write_shard(path: Path, per_row: list[tuple[torch.Tensor | None, torch.Tenso
     if per_row[0][0] is not None:
         tensors["taps"] = torch.cat([taps for taps, _ in per_row]).to("cpu", dtype).contiguous()
     tmp = Path(path).with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)  # a new file: never written through a link left there
     save_file(tensors, str(tmp))
+    honour_umask(tmp)  # safetensors writes 0600, whatever the umask
     tmp.replace(path)
 
 
@@ -53,6 +58,7 @@ def write_rows(cache_dir: Path, rows_ids: list[list[int]]) -> None:
     save_file({"input_ids": torch.tensor([t for ids in rows_ids for t in ids], dtype=torch.long),
                "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])},
               str(Path(cache_dir) / "rows.safetensors"))
+    honour_umask(Path(cache_dir) / "rows.safetensors")
 
 
 def read_rows(cache_dir: Path) -> list[list[int]]:

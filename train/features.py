@@ -29,6 +29,7 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from heads.output_dir import write_file
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig
 from train.data import DataError, pad_features
@@ -196,7 +197,7 @@ def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, acce
         if writer == "vllm":
             write_rows(cache_dir, [row["input_ids"] for row in source.rows])
             meta["vllm_request"] = vllm_request(source)
-        meta_file.write_text(json.dumps(meta, indent=2))
+        write_file(meta_file, json.dumps(meta, indent=2))  # never through a link
     accelerator.wait_for_everyone()
     if writer == "vllm":
         command = f"python scripts/vllm_features.py --cache_dir {cache_dir}"

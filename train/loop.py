@@ -35,6 +35,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from heads.directory import push_heads_dir
 from heads.export import ExportError, export_and_push
+from heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir
 from heads.target import load_target
 from inference.ngram import NGRAM_FILE, NgramTable
 from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
@@ -109,14 +110,29 @@ class Run:
     train_rows: list[dict]
     eval_rows: list[dict]
     stats: dict
+    claim: Any = None  # heads.output_dir.OutputDirClaim: the output_dir's lock, released when the run ends
+
+
+def train_run_kind(method: str) -> RunKind:
+    """What a trainer writes in its output_dir (heads-<format>: export_and_push's sibling of heads/; wandb and
+    headstart-<method>: the trackers' files), and what marks a directory without a manifest as an earlier run's."""
+    return RunKind(f"train:{method}",
+                   names=("heads", ".heads.tmp", ".heads.old", "checkpoints", "train_log.jsonl", ".train_log.jsonl.tmp",
+                          "heads-vllm", "heads-sglang", "heads-speculators", "wandb", f"headstart-{method}"),
+                   markers=("train_log.jsonl", "checkpoints/step-*/trainer_state.json", "heads/config.json"))
 
 
 def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
-    """Data first (self-distilling starts accelerate's state), then the accelerator, the frozen target and the rows."""
+    """Data first (self-distilling starts accelerate's state), then the accelerator, the frozen target and the rows.
+    The output_dir is checked first and claimed (locked) once the accelerator says which process is the main one."""
+    output_dir = Path(cfg.output_dir)
+    if output_dir.resolve() == Path(cfg.data_dir).resolve():
+        raise ConfigError(f"output_dir and data_dir are one directory ({output_dir}): a trainer writes into a folder "
+                          "of its own; pass another --output_dir")
+    check_output_dir(output_dir, train_run_kind(cfg.method))  # refused before any data is self-distilled
     dataset, meta = ensure_data(cfg)
     cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda_bf16 else "float32")
-    output_dir = Path(cfg.output_dir)
     accelerator = Accelerator(
         cpu=use_cpu_flag(),  # accelerate's MULTI_CPU (gloo) needs cpu=True; otherwise each process runs alone
         mixed_precision="bf16" if cuda_bf16 or dtype in ("bfloat16", "bf16") else "no",  # fp32 heads, bf16 target
@@ -127,13 +143,13 @@ def start_run(cfg: TrainRunConfig, find_unused_parameters: bool = False) -> Run:
     enable_fsdp_on_cpu(accelerator)  # an FSDP launch on a CPU machine shards for real (train/sharding.py)
     count_deepspeed_processes_on_cpu(accelerator)
     set_seed(cfg.seed)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    claim = claim_output_dir(output_dir, train_run_kind(cfg.method), accelerator.is_main_process)
     target, tokenizer, info = load_target(cfg.target, dtype, accelerator.device)
     target.requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     train_rows, eval_rows, stats = prepare_rows(dataset, meta, info, cfg)
     accelerator.print(f"target {info.name} ({info.fingerprint}); {stats}")
-    return Run(cfg, accelerator, output_dir, dtype, target, info, pad_id, train_rows, eval_rows, stats)
+    return Run(cfg, accelerator, output_dir, dtype, target, info, pad_id, train_rows, eval_rows, stats, claim)
 
 
 def wandb_init_kwargs(output_dir: Path) -> dict:
@@ -293,7 +309,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
                       time.perf_counter() - start_time, tokens_seen, start_step, step >= total_steps)
     if not trained.finished:  # like a preempted run
         log(f"stopped after step {step} of {total_steps}; continue with --resume")
-        end_run(accelerator)
+        end_run(accelerator, run.claim)
     return trained
 
 
@@ -354,7 +370,7 @@ def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path],
     if cfg.report_to != "none":
         accelerator.log({f"eval/{unit}{k + 1}_top1": a for k, a in enumerate(metrics["top1"])}, step=trained.step)
     accelerator.wait_for_everyone()
-    end_run(accelerator)
+    end_run(accelerator, run.claim)
     return metrics
 
 
@@ -365,13 +381,15 @@ def push(heads_dir: Path, repo_id: str, fmt: str) -> None:
         return
     try:
         export_and_push(heads_dir, repo_id, fmt)
-    except ExportError as err:
+    except (ExportError, OutputDirError) as err:
         print(f"not pushed: the {fmt} export was refused ({err}); the heads are kept in {heads_dir}")
 
 
-def end_run(accelerator: Accelerator) -> None:
+def end_run(accelerator: Accelerator, claim=None) -> None:
     """Finish the trackers; a process group ends with its process (run_main). Not accelerator.end_training(): a gloo
     group's destructor (run where the last reference goes, e.g. DDP's reducer freed) joins its worker thread holding
     the GIL, and a worker still freeing a finished collective's tensors waits for the GIL: a process hung at exit."""
     for tracker in accelerator.trackers:
         tracker.finish()
+    if claim is not None:
+        claim.release()  # the output_dir's lock

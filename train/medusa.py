@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     source = open_feature_source(cfg, target, run.info, run.train_rows + run.eval_rows, [run.info.num_hidden_layers],
                                  accelerator)
     if cfg.build_cache_only:
-        end_run(accelerator)
+        end_run(accelerator, run.claim)
         return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
     lm_head_weight = target.get_output_embeddings().weight  # [V, h], frozen
     shared = lm_head_weight if cfg.share_lm_head else None

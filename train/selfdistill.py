@@ -30,9 +30,7 @@ Output, in OUTPUT_DIR:
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
@@ -46,6 +44,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from heads.chat import render_chat, stop_token_ids
+from heads.output_dir import RunKind, claim_output_dir, disk_full_is_one_line, honour_umask, write_file
 from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target, load_target_without_model
 from train.config import ConfigError, parse_config
@@ -219,10 +218,14 @@ def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConf
 # the run: shard, resume, assemble
 
 
+# what a self-distillation run writes in its output_dir (.selfdistill.lock: earlier versions' lock), and the files that
+# mark a directory without a manifest as an earlier run's (heads/output_dir.py)
+SELFDISTILL_RUN = RunKind("selfdistill", names=("run.json", "meta.json", "parts", "dataset", ".dataset.tmp",
+                                                ".selfdistill.lock", ".*.tmp"), markers=("run.json", "meta.json"))
+
+
 def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(payload))
-    os.replace(tmp, path)
+    write_file(path, json.dumps(payload))
 
 
 def _check_settings(output_dir: Path, cfg: SelfDistillConfig, is_main: bool) -> None:
@@ -260,28 +263,6 @@ def check_selfdistill_config(cfg: SelfDistillConfig) -> None:
         raise ConfigError(f"--output_dir {out} is a file, not a directory: pass another --output_dir")
 
 
-@contextlib.contextmanager
-def output_lock(output_dir: Path, take: bool):
-    """An exclusive fcntl lock on output_dir/.selfdistill.lock while a run writes there (take: the run's main
-    process only; the processes of one accelerate launch share the dir): a second run on the dir is refused."""
-    if not take:
-        yield
-        return
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / ".selfdistill.lock", "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "unknown"
-            raise ConfigError(f"another self-distillation run (pid {holder}) is writing {output_dir}: wait for it to "
-                              "finish (rerun then to resume it), or pass another --output_dir") from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        yield
-
-
 def load_selfdistilled(output_dir: str | Path):
     """Read a finished self-distillation run: (datasets.Dataset, meta dict)."""
     import datasets
@@ -306,7 +287,10 @@ def run_selfdistill(cfg: SelfDistillConfig) -> Path:
     # without cpu=True accelerate sets up no process group on a machine without GPUs (world size 1 each); an
     # engine backend leaves the GPUs to the engine
     accelerator = Accelerator(cpu=cfg.device == "cpu" or not torch.cuda.is_available() or cfg.backend != "hf")
-    with output_lock(Path(cfg.output_dir), accelerator.is_main_process):
+    output_dir = Path(cfg.output_dir)
+    # only a new or empty directory, or an earlier self-distillation run's; a second run on it is refused
+    with claim_output_dir(output_dir, SELFDISTILL_RUN, accelerator.is_main_process), \
+            disk_full_is_one_line(output_dir, "free space and rerun: the finished batches are kept"):
         return _distill(cfg, accelerator)
 
 
@@ -413,7 +397,8 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
         tmp = output_dir / ".dataset.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         dataset.save_to_disk(str(tmp))
-        shutil.rmtree(output_dir / "dataset", ignore_errors=True)
+        honour_umask(tmp)
+        shutil.rmtree(output_dir / "dataset", ignore_errors=True)  # an earlier dataset of this run (the claim checked)
         os.replace(tmp, output_dir / "dataset")
         meta = {
             "target": info.to_dict(),
