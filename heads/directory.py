@@ -7,11 +7,19 @@
 
 `HeadsModule.save_pretrained` writes the first two; `read_config` and `load_state` read them back strictly: a
 missing, extra or mis-shaped tensor is refused with its name. heads/load.py builds the module from them.
+
+Every number read from a heads directory passes `checked` (one place for the rule: an int is an int, not a bool, a
+string or a float; a float is finite; each within bounds far above any real model and far below what would exhaust
+memory) before it is used; config.json's fields by their dataclass type and FIELD_LIMITS, metrics.json's by
+`read_metrics`. The weights file's header (names and shapes, no tensor data) is compared with the module built on the
+meta device before any memory is allocated for it (`check_weights`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import typing
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -29,10 +37,86 @@ class HeadsLoadError(RuntimeError):
     """A heads directory that cannot be used: missing/corrupt files, or heads trained for another target."""
 
 
+# Bounds on what a heads directory may hold: far above any released model, far below what would exhaust memory.
+MAX_WIDTH = 1 << 20  # hidden / intermediate sizes, attention heads
+MAX_VOCAB = 1 << 22  # vocabulary size, token ids
+MAX_TARGET_LAYERS = 1024  # target layers (feature_layers index its hidden_states 0..L)
+MAX_DEPTH = 64  # Medusa heads, blocks per head, DFlash draft layers and drafted slots, evaluated depths
+MAX_RANKS = 1024  # ranks per depth in recorded accuracies
+REWRITE = "re-save the heads directory from its training run, or re-download it"
+# config.json fields, by name (the same name means the same thing in every method's config): (lowest, highest)
+FIELD_LIMITS = {
+    "hidden_size": (1, MAX_WIDTH), "vocab_size": (1, MAX_VOCAB), "num_heads": (1, MAX_DEPTH),
+    "num_layers": (1, MAX_DEPTH), "block_size": (2, MAX_DEPTH + 1), "draft_vocab_size": (0, MAX_VOCAB),
+    "mask_token_id": (0, MAX_VOCAB - 1), "feature_layers": (0, MAX_TARGET_LAYERS),
+}
+# integer fields of an EAGLE / DFlash `layer_config` (the target's text config the draft layers are built from)
+LAYER_LIMITS = {
+    "hidden_size": (1, MAX_WIDTH), "intermediate_size": (1, MAX_WIDTH), "num_attention_heads": (1, MAX_WIDTH),
+    "num_key_value_heads": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_DEPTH),
+    "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, 1 << 27),
+}
+# the target record's (heads.target.TargetInfo.to_dict()) integer fields
+TARGET_LIMITS = {"hidden_size": (1, MAX_WIDTH), "vocab_size": (1, MAX_VOCAB), "num_hidden_layers": (1, MAX_TARGET_LAYERS)}
+KINDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", dict: "a JSON object",
+         list: "a JSON list"}
+
+
+def checked(value: Any, kind: type, where: Path | str, name: str, low: float | None = None,
+            high: float | None = None, fix: str = REWRITE) -> Any:
+    """`value`, read as field `name` of the file `where`, if it is a `kind` (int: an int, not a bool, string or float;
+    float: an int or a finite float, returned as float; bool, str, dict, list) within [low, high]; HeadsLoadError
+    naming the file, the field and `fix` otherwise."""
+    ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool)) if kind is not float else
+          isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+    if not ok:
+        raise HeadsLoadError(f"{where}: {name} must be {KINDS[kind]}, got {value!r:.80}; {fix}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise HeadsLoadError(f"{where}: {name} is {value}, outside {low}..{high}; {fix}")
+    return float(value) if kind is float else value
+
+
+def checked_list(values: Any, kind: type, where: Path | str, name: str, low: float | None = None,
+                 high: float | None = None, max_len: int = MAX_DEPTH, fix: str = REWRITE) -> list:
+    """A JSON list of at most `max_len` values, each `checked` (named name[i])."""
+    checked(values, list, where, name, fix=fix)
+    if len(values) > max_len:
+        raise HeadsLoadError(f"{where}: {name} has {len(values)} entries, more than {max_len}; {fix}")
+    return [checked(v, kind, where, f"{name}[{i}]", low, high, fix) for i, v in enumerate(values)]
+
+
+def check_fields(raw: dict, config_class: type, where: Path | str) -> None:
+    """config.json's values checked by their dataclass field type (int, bool, float, str, dict, list[int]) and
+    FIELD_LIMITS; the target record's and layer_config's integers by TARGET_LIMITS and LAYER_LIMITS."""
+    hints = typing.get_type_hints(config_class)
+    for f in fields(config_class):
+        if f.name not in raw:
+            continue
+        kind, (low, high) = hints[f.name], FIELD_LIMITS.get(f.name, (None, None))
+        if typing.get_origin(kind) is list:
+            checked_list(raw[f.name], typing.get_args(kind)[0], where, f.name, low, high, MAX_TARGET_LAYERS)
+        else:
+            checked(raw[f.name], kind, where, f.name, low, high)
+    for record, limits in (("target", TARGET_LIMITS), ("layer_config", LAYER_LIMITS)):
+        for key, (low, high) in limits.items():
+            value = raw.get(record, {}).get(key)
+            if value is not None:
+                checked(value, int, where, f"{record}.{key}", low, high)
+    layers = raw.get("target", {}).get("num_hidden_layers")
+    for i, layer in enumerate(raw.get("feature_layers", [])):
+        if layers is not None and layer > layers:
+            raise HeadsLoadError(f"{where}: feature_layers[{i}] is {layer}, but the target has {layers} layers "
+                                 f"(hidden_states 0..{layers}); {REWRITE}")
+
+
 class HeadsModule(nn.Module):
     """Base of MedusaHeads and EagleDraft: a `config` dataclass and weights, saved as a heads directory."""
 
     config: Any
+
+    def check_state(self, state: dict) -> None:
+        """ValueError, naming the tensor, when loaded tensors (of the right names and shapes) hold values this module
+        cannot use. Subclasses with token maps check them."""
 
     def save_pretrained(self, heads_dir: str | Path) -> Path:
         from safetensors.torch import save_model
@@ -95,6 +179,7 @@ def read_config(heads_dir: Path, config_class: type, methods: tuple[str, ...], w
     unknown = sorted(set(raw) - {f.name for f in fields(config_class)})
     if unknown:
         raise HeadsLoadError(f"{file} has unknown key(s) {unknown}: written by a newer headstart?")
+    check_fields(raw, config_class, file)
     try:
         return config_class(**raw)
     except (TypeError, ValueError) as err:
@@ -111,6 +196,11 @@ def check_target(config: Any, target_info: Any, where: str = "these heads") -> N
             f"({want.get('name')!r}); the given target {got.get('name')!r} has hidden_size={got.get('hidden_size')}, "
             f"vocab_size={got.get('vocab_size')}"
         )
+    layers = got.get("num_hidden_layers")
+    if layers is not None and any(i > layers for i in getattr(config, "feature_layers", [])):
+        raise HeadsLoadError(f"{where} read the target's hidden_states {config.feature_layers}, but the given target "
+                             f"{got.get('name')!r} has {layers} layers (hidden_states 0..{layers}): pass the target they "
+                             "were trained on")
     if want.get("fingerprint") and got.get("fingerprint") and want["fingerprint"] != got["fingerprint"]:
         raise HeadsLoadError(
             f"{where} were trained on target {want.get('name')!r} with weight fingerprint {want['fingerprint']}, but the "
@@ -120,31 +210,78 @@ def check_target(config: Any, target_info: Any, where: str = "these heads") -> N
         )
 
 
-def load_state(module: nn.Module, heads_dir: Path) -> nn.Module:
-    """Load heads_dir/model.safetensors into `module`, strictly: every tensor the module has, with its shape, and no
-    other. HeadsLoadError names the missing, extra or mis-shaped tensors (or the missing / corrupt file)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def check_weights(module: nn.Module, heads_dir: Path) -> None:
+    """Compare heads_dir/model.safetensors' header (tensor names and shapes; no tensor data is read) with `module`'s
+    state (built on the meta device, it costs no memory): HeadsLoadError names the missing, extra or mis-shaped
+    tensors (or the missing / corrupt file)."""
+    from safetensors import SafetensorError, safe_open
 
     weights = heads_dir / WEIGHTS_NAME
     if not weights.is_file():
         raise HeadsLoadError(f"{heads_dir} has no {WEIGHTS_NAME}: the weights are missing (interrupted save or upload?)")
     try:
-        state = load_file(weights)
+        with safe_open(str(weights), framework="pt") as f:
+            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the heads") from err
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    reshaped = sorted(f"{k} {tuple(state[k].shape)} (config.json gives {tuple(expected[k].shape)})"
-                      for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    missing = sorted(set(expected) - set(stored))
+    extra = sorted(set(stored) - set(expected))
+    reshaped = sorted(f"{k} {stored[k]} (config.json gives {expected[k]})"
+                      for k in set(stored) & set(expected) if stored[k] != expected[k])
     problems = [f"{label}: {', '.join(names)}" for label, names in
                 (("missing tensor(s)", missing), ("unexpected tensor(s)", extra), ("shape mismatch", reshaped)) if names]
     if problems:
         raise HeadsLoadError(f"{weights} does not match its {CONFIG_NAME}: {'; '.join(problems)}. Re-save the heads "
                              "directory from its training run (config.json and model.safetensors come as a pair)")
+
+
+def load_state(module: nn.Module, heads_dir: Path) -> nn.Module:
+    """Load heads_dir/model.safetensors into `module`, strictly: every tensor the module has, with its shape, and no
+    other (check_weights, before any tensor is read), holding values the module can use (`check_state`, e.g. token
+    ids inside the vocabulary)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    check_weights(module, heads_dir)
+    weights = heads_dir / WEIGHTS_NAME
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise HeadsLoadError(f"{weights} is corrupt or truncated ({err}); re-download or re-train the heads") from err
+    check = getattr(module, "check_state", None)
+    try:
+        if check is not None:
+            check(state)
+    except ValueError as err:
+        raise HeadsLoadError(f"{weights}: {err}; {REWRITE}") from err
     module.load_state_dict(state, strict=True)
     return module
+
+
+def read_metrics(heads_dir: Path) -> dict:
+    """heads_dir/metrics.json ({} when there is none), its figures that headstart reads checked: `top1` / `top5`
+    (rates per depth), `rank_accuracy` / `accuracy` (rates per depth and rank), `chain_accepted_tokens`."""
+    file = heads_dir / "metrics.json"
+    if not file.is_file():
+        return {}
+    metrics = _read_json(file)
+    fix = "delete metrics.json (the heads load without it) or retrain the heads to rewrite it"
+    for name in ("top1", "top5"):
+        if metrics.get(name) is not None:
+            checked_list(metrics[name], float, file, name, 0.0, 1.0, fix=fix)
+    for name in ("rank_accuracy", "accuracy"):
+        if metrics.get(name) is not None:
+            checked_rates(metrics[name], file, name, fix)
+    if metrics.get("chain_accepted_tokens") is not None:
+        checked(metrics["chain_accepted_tokens"], float, file, "chain_accepted_tokens", 0.0, MAX_DEPTH, fix)
+    return metrics
+
+
+def checked_rates(rows: Any, where: Path | str, name: str, fix: str = REWRITE) -> list[list[float]]:
+    """Per-(depth, rank) rates: at most MAX_DEPTH rows of at most MAX_RANKS numbers in 0..1, as floats."""
+    checked_list(rows, list, where, name, max_len=MAX_DEPTH, fix=fix)
+    return [checked_list(row, float, where, f"{name}[{d}]", 0.0, 1.0, MAX_RANKS, fix) for d, row in enumerate(rows)]
 
 
 def push_heads_dir(heads_dir: str | Path, repo_id: str, private: bool = False) -> bool:

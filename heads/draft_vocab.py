@@ -12,6 +12,18 @@ import torch
 from heads.directory import HeadsModule
 
 
+def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """ValueError unless `ids` (a loaded draft vocabulary: draft id -> target id) are integers, strictly increasing,
+    in 0..vocab_size - 1."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer token ids, not {ids.dtype}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{name} holds token ids {int(ids.min())}..{int(ids.max())}, outside the vocabulary "
+                         f"0..{vocab_size - 1}")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{name} must list distinct token ids in increasing order")
+
+
 class DraftVocabHeads(HeadsModule):
     """Base of heads with an optional draft vocabulary of `config.draft_vocab_size` tokens (0: the whole vocabulary).
     Call `init_draft_vocab()` in __init__."""
@@ -23,9 +35,13 @@ class DraftVocabHeads(HeadsModule):
         if size:
             self.register_buffer("token_map", torch.arange(size))  # draft id -> target id
             self.register_buffer("target_to_draft", torch.full((vocab,), -1), persistent=False)
-            self.set_draft_vocab(self.token_map)
+            self.target_to_draft[:size] = torch.arange(size)  # the identity map (also on the meta device)
         else:
             self.token_map = None
+
+    def check_state(self, state: dict) -> None:
+        if self.token_map is not None:
+            check_token_ids(state["token_map"], self.config.vocab_size, "token_map")
 
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:

@@ -39,6 +39,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from heads.directory import HeadsModule
+from heads.draft_vocab import check_token_ids
 
 METHODS = ("eagle", "eagle3")
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EagleConfig's EAGLE-3 norm options
@@ -190,6 +191,15 @@ class EagleDraft(HeadsModule):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary ids -> target vocabulary ids (identity for EAGLE-1)."""
         return draft_ids + self.d2t[draft_ids] if self.is_eagle3 else draft_ids
+
+    def check_state(self, state: dict) -> None:
+        """The loaded d2t must map the draft vocabulary to distinct, increasing target ids (decoding reads them)."""
+        if not self.is_eagle3:
+            return
+        d2t = state["d2t"]
+        if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+            raise ValueError(f"d2t must hold integer offsets, not {d2t.dtype}")
+        check_token_ids(d2t.long() + torch.arange(d2t.numel()), self.config.vocab_size, "d2t (draft id + offset)")
 
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:

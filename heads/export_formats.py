@@ -47,6 +47,7 @@ Engine conventions (the layouts vLLM's and SGLang's EAGLE / Medusa loaders and S
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -81,12 +82,18 @@ def target_hub_id(target: dict) -> str | None:
             named = json.loads((path / "config.json").read_text()).get("_name_or_path", "")
         except (OSError, json.JSONDecodeError):
             named = ""
-        return named if _looks_like_hub_id(named) else None
-    return name if _looks_like_hub_id(name) and not path.exists() else None
+        return named if looks_like_hub_id(named) else None
+    return name if looks_like_hub_id(name) and not path.exists() else None
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    return bool(name) and name.count("/") == 1 and not name.startswith((".", "/", "~")) and not name.endswith(".gguf")
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def looks_like_hub_id(name: object) -> bool:
+    """owner/name as the Hub spells repo ids (letters, digits, '-', '_', '.'; no '..' or '--'), not a .gguf file: the
+    only target name an export writes into a launch command."""
+    return (isinstance(name, str) and HUB_ID.fullmatch(name) is not None and ".." not in name and "--" not in name
+            and not name.endswith(".gguf"))
 
 
 def _target_weights(heads, target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -305,9 +312,10 @@ def medusa_export(heads, fmt: str, target, full_vocab: bool) -> tuple[dict, dict
     return config, tensors, notes
 
 
-def dflash_export(heads, fmt: str, target) -> tuple[dict, dict, dict]:
+def dflash_export(heads, fmt: str, target, k: int) -> tuple[dict, dict, dict]:
     """A DFlash draft for vLLM -> (engine config, tensors, conversion notes); target: see _target_weights (a draft
-    vocabulary ships its lm_head rows)."""
+    vocabulary ships its lm_head rows); k: the speculative tokens of the launch command (block_size - 1), which the
+    note names too."""
     cfg = heads.config
     if fmt != "vllm":
         raise ExportError(f"headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked "
@@ -332,7 +340,7 @@ def dflash_export(heads, fmt: str, target) -> tuple[dict, dict, dict]:
                                  "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size})
     notes = {"layer_ids": f"vLLM target_layer_ids {config['dflash_config']['target_layer_ids']} = HF hidden_states "
                           f"{sorted(cfg.feature_layers)} (vLLM's k is hidden_states[k + 1])",
-             "block": f"serve with num_speculative_tokens {cfg.block_size - 1} (the trained block, anchor included, "
+             "block": f"serve with num_speculative_tokens {k} (the trained block, anchor included, "
                       f"is {cfg.block_size})"}
     if cfg.draft_vocab_size:
         _, lm_head = _target_weights(heads, target)

@@ -3,8 +3,9 @@
     heads = load_heads("runs/medusa-smollm2/heads", target_info)            # refuses another target's heads
     heads, model, tokenizer, info = load_heads_and_target("user/repo")      # plus the target the heads name
 
-The config is read and checked (method, known keys), the module built from it, and every tensor of
-model.safetensors must match it by name and shape (heads/directory.py). Medusa-2 heads come with the
+The config is read and checked (method, known keys, every value's type and bounds), the module built from it on the
+meta device (no memory) and compared with model.safetensors' header by name and shape, and only then built and loaded
+(heads/directory.py): a config.json that asks for more than its weights hold is refused before anything is allocated. Medusa-2 heads come with the
 target's LoRA adapter (`adapter/`), merged into the returned target.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from heads.dflash import DFlashConfig, DFlashDraft
-from heads.directory import ADAPTER_DIR, HeadsLoadError, check_target, load_state, read_config, read_method, resolve_heads_dir
+from heads.directory import (ADAPTER_DIR, HeadsLoadError, check_target, check_weights, load_state, read_config, read_method,
+                             resolve_heads_dir)
 from heads.eagle import EagleConfig, EagleDraft
 from heads.eagle import METHODS as EAGLE_METHODS
 from heads.medusa import MedusaConfig, MedusaHeads
@@ -43,6 +45,8 @@ def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device
     if target_info is not None:
         check_target(config, target_info, where=f"the heads in {heads_dir}")
     try:
+        with torch.device("meta"):  # shapes only: checked against the weights file's header before any allocation
+            check_weights(module_class(config), heads_dir)
         module = module_class(config)
     except (TypeError, ValueError) as err:
         raise HeadsLoadError(f"{heads_dir}/config.json: {err}") from err

@@ -291,9 +291,18 @@ def _is_gguf(source: Path | str) -> bool:
 
 @contextlib.contextmanager
 def _hub_errors(source: Path | str):
-    """A Hub id (str source) that cannot be read (no network, no cached copy): a TargetLoadError with the fix."""
+    """A Hub id (str source) that cannot be read (no network, no cached copy), and a model that needs its own code
+    (`auto_map`, which transformers refuses without trust_remote_code): a TargetLoadError with the fix."""
     try:
         yield
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise TargetLoadError(
+            f"target {str(source)!r} needs its own Python code to load (an `auto_map` in its config.json); headstart "
+            "never runs a model's code, and none ran. Use a model whose architecture transformers ships (llama, qwen2, "
+            "qwen3, mistral, gemma, ...)"
+        ) from err
     except OSError as err:
         if isinstance(source, Path):
             raise

@@ -31,12 +31,14 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from heads.directory import HeadsLoadError, checked, checked_rates, read_metrics
 from heads.output_dir import write_file
 from inference.adapt import PRIOR_STEP_RATIO, StepCost
 from inference.cpu_linear import linear_kernel
 from inference.forward import compact_cache, target_forward
 from inference.medusa import medusa_logits
-from inference.tree import DEFAULT_ACCURACY, DraftInput, Proposer, best_choices, expected_accept_length, tree_from_choices
+from inference.tree import (DEFAULT_ACCURACY, MAX_TREE_NODES, DraftInput, Proposer, best_choices, expected_accept_length,
+                            tree_from_choices)
 
 TREE_FILE = "tree.json"
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # tree sizes timed; the small ones are the CPU's choices
@@ -103,16 +105,44 @@ def write_tree_record(heads_dir: Path, calib: TreeCalibration, accuracy: Sequenc
 
 def read_tree_record(path: Path) -> dict | None:
     """A tree.json written by write_tree_record, or None when the file is not one (e.g. a hand-written tree file
-    with only "choices" is a tree file, but no calibration record)."""
+    with only "choices" is a tree file, but no calibration record). The numbers headstart reads from a record are
+    checked (check_tree_record): a tampered one is a HeadsLoadError naming the field."""
     try:
         record = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):  # no such file, unreadable, not JSON
         return None
-    return record if isinstance(record, dict) and "choices" in record else None
+    if not (isinstance(record, dict) and "choices" in record):
+        return None
+    return check_tree_record(record, path)
+
+
+def check_tree_record(record: dict, path: Path) -> dict:
+    """A calibration record whose step costs (tree size -> ms, ratio), accuracies and flags are numbers headstart can
+    use: sizes 1..MAX_TREE_NODES + 1, times finite and positive, ratios finite and non-negative, rates in 0..1."""
+    fix = "delete it (decoding then uses the default tree) or rerun with --tree auto to measure it again"
+    for name, low, first in (("step_ms", 1e-9, 1), ("draft_ratio", 0.0, 0)):
+        points = record.get(name)
+        if points is None:
+            continue
+        checked(points, dict, path, name, fix=fix)
+        if len(points) > MAX_TREE_NODES + 1:
+            raise HeadsLoadError(f"{path}: {name} has {len(points)} entries, more than {MAX_TREE_NODES + 1}; {fix}")
+        for size, value in points.items():
+            if not (isinstance(size, str) and size.isdigit() and first <= int(size) <= MAX_TREE_NODES + 1):
+                raise HeadsLoadError(f"{path}: {name} key {size!r:.40} is not a tree size {first}..{MAX_TREE_NODES + 1}; "
+                                     f"{fix}")
+            checked(value, float, path, f"{name}[{size}]", low, None, fix)
+    if record.get("accuracy") is not None:
+        checked_rates(record["accuracy"], path, "accuracy", fix)
+    for name, kind in (("noisy", bool), ("rounds", int), ("threads", int), ("device", str), ("linear", str)):
+        if record.get(name) is not None:
+            checked(record[name], kind, path, name, fix=fix)
+    return record
 
 
 def step_cost_points(record: dict) -> tuple[dict[int, float] | None, dict[int, float] | None]:
-    """(step_ms, draft_ratio) of a calibration record, tree.json's string keys as ints; None where absent."""
+    """(step_ms, draft_ratio) of a calibration record (checked by read_tree_record), tree.json's string keys as ints;
+    None where absent."""
     step_ms = {int(n): float(ms) for n, ms in (record.get("step_ms") or {}).items()} or None
     draft = {int(n): float(r) for n, r in (record.get("draft_ratio") or {}).items()} or None
     return step_ms, draft
@@ -319,18 +349,16 @@ def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
     Rows = heads (depth 1, 2, ...), columns = ranks. Read from `tree.json` ("accuracy"), else from the
     training metrics in `metrics.json` ("rank_accuracy": P(the true token is head k's rank-r guess), as
     train/medusa.py writes it). Used as the Medusa paper does: a path's acceptance probability is the
-    product of its nodes' rates (heads treated as independent).
+    product of its nodes' rates (heads treated as independent). Rates that are not numbers in 0..1 are a
+    HeadsLoadError naming the file and field.
     """
-    for name, key in ((TREE_FILE, "accuracy"), ("metrics.json", "rank_accuracy"), ("metrics.json", "accuracy")):
-        file = heads_dir / name
-        if not file.is_file():
-            continue
-        try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError:
-            continue
-        acc = data.get(key) if isinstance(data, dict) else None
-        if isinstance(acc, list) and acc and all(isinstance(row, list) and row for row in acc):
+    record = read_tree_record(heads_dir / TREE_FILE)
+    if record is not None and record.get("accuracy") and all(record["accuracy"]):
+        return [[float(a) for a in row] for row in record["accuracy"]]
+    metrics = read_metrics(heads_dir)
+    for key in ("rank_accuracy", "accuracy"):
+        acc = metrics.get(key)
+        if acc and all(acc):
             return [[float(a) for a in row] for row in acc]
     return None
 

@@ -26,11 +26,15 @@ from typing import Iterable
 
 import torch
 
-from heads.directory import HeadsLoadError
+from heads.directory import HeadsLoadError, checked
 from heads.output_dir import honour_umask
 
 NGRAM_FILE = "ngram.safetensors"
 STOP = -1  # the key occurs, but no next token reaches min_share
+# Entries a table may hold when loaded: a default table (max_tokens 200,000, keys up to 4 tokens) has at most 800,000;
+# each costs a few hundred bytes as a Python dict entry, so the cap bounds a loaded table to a few hundred MB
+MAX_NGRAM_ENTRIES = 1_000_000
+MAX_KEY_TOKENS = 16  # max_n
 
 
 @dataclass
@@ -101,19 +105,51 @@ class NgramTable:
         honour_umask(Path(path))  # safetensors writes 0600, whatever the umask
 
     @classmethod
-    def load(cls, path: str | Path) -> "NgramTable":
-        """The table `save` wrote; anything else is refused with HeadsLoadError naming the file."""
+    def load(cls, path: str | Path, vocab_size: int | None = None) -> "NgramTable":
+        """The table `save` wrote, its token ids inside 0..vocab_size - 1 (when given); anything else, or a table of
+        more than MAX_NGRAM_ENTRIES entries (counted from the header, before any tensor is read), is refused with
+        HeadsLoadError naming the file."""
         from safetensors import safe_open
 
+        fix = "delete it to decode without it, or retrain the heads to rewrite it"
         try:
             with safe_open(str(path), framework="pt") as f:
-                config = NgramConfig(**json.loads((f.metadata() or {})["config"]))
+                config = cls._config(json.loads((f.metadata() or {})["config"]), path, fix)
+                shapes = {name: f.get_slice(name).get_shape() for name in ("keys", "next")}
+                dtypes = {name: f.get_slice(name).get_dtype() for name in ("keys", "next")}
+                entries = shapes["next"][0] if len(shapes["next"]) == 1 else None  # M
+                if entries is None or shapes["keys"] != [entries, config.max_n]:  # keys [M, max_n], next [M]
+                    raise ValueError(f"keys {shapes['keys']} and next {shapes['next']} do not fit max_n {config.max_n}")
+                if entries > MAX_NGRAM_ENTRIES:
+                    raise HeadsLoadError(f"{path} holds {entries} entries, more than the {MAX_NGRAM_ENTRIES} an n-gram "
+                                         f"table may have; {fix}")
+                if set(dtypes.values()) != {"I64"}:
+                    raise HeadsLoadError(f"{path}: keys and next must hold int64 token ids, not {dtypes}; {fix}")
                 keys, tokens = f.get_tensor("keys"), f.get_tensor("next")
-            if keys.dim() != 2 or keys.shape != (len(tokens), config.max_n) or tokens.dim() != 1:
-                raise ValueError(f"keys {list(keys.shape)} and next {list(tokens.shape)} do not fit "
-                                 f"max_n {config.max_n}")
-        except Exception as err:  # not safetensors, no config, unknown config keys, missing or mis-shaped tensors
+        except HeadsLoadError:
+            raise
+        except Exception as err:  # not safetensors, truncated, no config, missing or mis-shaped tensors
             raise HeadsLoadError(f"{path} is not an n-gram table written by headstart ({err.__class__.__name__}: "
-                                 f"{err}); delete it to decode without it, or retrain the heads to rewrite it") from err
+                                 f"{str(err).splitlines()[0] if str(err) else ''}); {fix}") from err
+        high = (vocab_size if vocab_size is not None else 1 << 62) - 1
+        for name, ids in (("keys", keys), ("next", tokens)):
+            if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) > high):
+                raise HeadsLoadError(f"{path}: {name} holds token ids {int(ids.min())}..{int(ids.max())}, outside "
+                                     f"the vocabulary 0..{high} (-1: padding / stop); {fix}")
         next_token = {tuple(t for t in key if t >= 0): token for key, token in zip(keys.tolist(), tokens.tolist())}
         return cls(next_token, config)
+
+    @staticmethod
+    def _config(raw: object, path: str | Path, fix: str) -> NgramConfig:
+        """The table's config (its safetensors metadata), every field checked."""
+        where = f"{path} (metadata config)"
+        checked(raw, dict, where, "config", fix=fix)
+        unknown = sorted(set(raw) - set(asdict(NgramConfig())))
+        if unknown:
+            raise ValueError(f"unknown config key(s) {unknown}")
+        config = NgramConfig(**raw)
+        checked(config.max_n, int, where, "max_n", 1, MAX_KEY_TOKENS, fix)
+        checked(config.min_n, int, where, "min_n", 1, config.max_n, fix)
+        checked(config.min_share, float, where, "min_share", 0.0, 1.0, fix)
+        checked(config.max_tokens, int, where, "max_tokens", 0, None, fix)
+        return config

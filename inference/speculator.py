@@ -69,7 +69,8 @@ class Speculator:
         ngram_file = heads_dir / NGRAM_FILE if heads_dir is not None else None
         # the target's phrases from its training rows, drafted beside lookup by the adaptive policy (absent in heads
         # directories written before it)
-        self.ngram = NgramTable.load(ngram_file) if ngram_file is not None and ngram_file.is_file() else None
+        self.ngram = (NgramTable.load(ngram_file, heads.config.vocab_size) if ngram_file is not None and ngram_file.is_file()
+                      else None)
         self.is_eagle = str(heads.config.method).startswith("eagle")
         self.is_dflash = heads.config.method == "dflash"
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
@@ -120,13 +121,13 @@ class Speculator:
         stale_reason rejects is measured again), "default", "auto" (calibrate on this device and write tree.json),
         a path to a JSON file with "choices", a list of choices, or that list as a JSON string ('[[0], [0, 0]]').
         """
-        try:
+        try:  # the heads, their target, and what the heads dir records (tree.json, metrics.json, ngram.safetensors)
             heads_dir = resolve_heads_dir(heads)
             module, model, tok, _ = load_heads_and_target(heads_dir, target, dtype=dtype, device=device)
+            module = module.to(next(model.parameters()).device)
+            return cls(model, module, tokenizer or tok, tree=tree, heads_dir=heads_dir)
         except HeadsLoadError as err:
             raise SpeculatorError(str(err)) from err
-        module = module.to(next(model.parameters()).device)
-        return cls(model, module, tokenizer or tok, tree=tree, heads_dir=heads_dir)
 
     def set_tree(self, tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None) -> None:
         """See `from_pretrained` for the accepted values (EAGLE: also a DynamicTreeConfig)."""

@@ -28,6 +28,8 @@ DEFAULT_ACCURACY: list[list[float]] = [
     [(DEFAULT_TOP1[d] / (DEFAULT_TOP1[d - 1] if d else 1.0)) * 0.5**r for r in range(8)] for d in range(len(DEFAULT_TOP1))
 ]
 DEFAULT_TREE_NODES = 7  # drafted nodes of the default tree: small, since on a CPU a wide verify costs several steps
+# drafted nodes a given tree may have: far above a useful tree, small enough that its [N, N] masks stay a few MB
+MAX_TREE_NODES = 1024
 
 
 def default_choices(num_heads: int, num_nodes: int = DEFAULT_TREE_NODES) -> list[list[int]]:
@@ -126,7 +128,10 @@ def check_choices(choices, max_depth: int | None, num_candidates: int) -> list[l
     """
     example = "e.g. [[0], [1], [0, 0]]"
     if isinstance(choices, (str, bytes)) or not isinstance(choices, Sequence):
-        raise ValueError(f"choices must be a list of rank paths ({example}), got {choices!r}")
+        raise ValueError(f"choices must be a list of rank paths ({example}), got {choices!r:.80}")
+    if len(choices) > MAX_TREE_NODES:
+        raise ValueError(f"{len(choices)} nodes, more than the {MAX_TREE_NODES} drafted nodes a tree may have: use a "
+                         "smaller tree (--tree auto measures the best size)")
     paths = []
     for path in choices:
         if isinstance(path, (str, bytes)) or not isinstance(path, Sequence) or not path:
@@ -137,9 +142,9 @@ def check_choices(choices, max_depth: int | None, num_candidates: int) -> list[l
         if max(path) >= num_candidates:
             raise ValueError(f"choice {list(path)} has rank {max(path)}, but the heads score only {num_candidates} "
                              f"tokens per depth (ranks 0..{num_candidates - 1})")
-        if max_depth is not None and len(path) > max_depth:
-            raise ValueError(f"choice {list(path)} is {len(path)} deep, but the heads draft only {max_depth} tokens "
-                             f"ahead: use paths of at most {max_depth} ranks")
+        if len(path) > (MAX_TREE_NODES if max_depth is None else max_depth):
+            raise ValueError(f"choice {list(path)[:8]} is {len(path)} deep, but the heads draft only "
+                             f"{max_depth or MAX_TREE_NODES} tokens ahead: use paths of at most that many ranks")
         paths.append([int(r) for r in path])
     known = {tuple(p) for p in paths}
     for path in paths:
