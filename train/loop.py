@@ -282,9 +282,13 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
             host = [next(batches) for _ in range(accum)]
             tokens_seen += sum(int(batch["attention_mask"].sum()) for batch in host)  # counted on the host: no sync
             micro = [{k: v if k == "rows" else v.to(accelerator.device) for k, v in b.items()} for b in host]
-            fields = step_fn(model, micro, step)
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            check_finite_step(step + 1, fields["loss"], grad_norm, cfg)  # before the weights take the step
+            try:
+                fields = step_fn(model, micro, step)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                check_finite_step(step + 1, fields["loss"], grad_norm, cfg)  # before the weights take the step
+            except Exception:
+                bar.close()  # an error's line starts a line of its own, not the progress bar's
+                raise
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
