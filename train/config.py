@@ -93,8 +93,7 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
     check_number(cfg, "max_steps", 1, unset=-1, unset_means="train num_epochs epochs")
     if cfg.max_steps == -1:
         check_number(cfg, "num_epochs", 1, hint="or set max_steps > 0")
-    check_number(cfg, "learning_rate", 0, above=True)
-    for name in ("lm_head_learning_rate", "target_learning_rate"):  # 0 freezes those weights
+    for name in ("learning_rate", "lm_head_learning_rate", "target_learning_rate"):  # 0 freezes those weights
         if hasattr(cfg, name):
             check_number(cfg, name, 0)
     check_number(cfg, "weight_decay", 0)
