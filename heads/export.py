@@ -209,15 +209,16 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("heads_dir", help="a headstart heads directory (or Hub id)")
-    parser.add_argument("out_dir")
-    parser.add_argument("--format", dest="fmt", choices=FORMATS, default="vllm")
+    parser.add_argument("out_dir", help="the directory the export is written to (new or empty)")
+    parser.add_argument("--format", dest="fmt", choices=FORMATS, default="vllm", help="the serving engine's format")
     parser.add_argument("--target", default=None, help="the target (name / path) when the export needs its weights "
                         "(EAGLE-1 for vLLM, shared-lm_head Medusa); default: the one the heads name")
     parser.add_argument("--target_id", default=None, help="the target's Hub id, for the card and the speculators verifier")
-    parser.add_argument("--num_speculative_tokens", type=int, default=None)
+    parser.add_argument("--num_speculative_tokens", type=int, default=None,
+                        help="tokens drafted per step in the launch command (default: from the heads)")
     parser.add_argument("--repo_id", default=None, help="the Hub repo the export will be pushed to (named in the card)")
     parser.add_argument("--medusa_full_vocab", action="store_true", help="ship the whole lm_head, no token_map")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     args = parser.parse_args(argv)
     try:
         out = export_heads(args.heads_dir, args.out_dir, args.fmt, target=args.target, target_id=args.target_id,

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", nargs="+", required=True, help="heads directories or Hub ids")
     parser.add_argument("--prompts", default="mix:heldout+writing", help="prompt source spec (heads/prompts.py)")
     parser.add_argument("--per_category", type=int, default=4, help="prompts per task family")
-    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--tree", default=None, help="default | PATH | CHOICES as JSON (default: the heads' tree.json)")
     parser.add_argument("--output", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)

@@ -100,19 +100,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", nargs="+", required=True, help="heads directories (globs ok) or Hub ids")
     parser.add_argument("--prompts", required=True, help="prompt source spec (see heads/prompts.py)")
-    parser.add_argument("--num_prompts", type=int, default=20)
+    parser.add_argument("--num_prompts", type=int, default=20, help="the first N prompts of the source")
     parser.add_argument("--per_category", type=int, default=None,
                         help="instead of the first --num_prompts rows, the first N rows of each task family")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--output", required=True, help="directory for results.json, results.md, speedup.png")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="the target's dtype")
     parser.add_argument("--tree", default=None, help="auto | default | PATH | CHOICES as JSON, e.g. '[[0], [0, 0]]' "
                                                       "(default: each heads dir's tree.json, "
                                                       "else the default tree); auto times trees on this device "
                                                       "and writes tree.json into each heads dir")
     parser.add_argument("--no_prompt_lookup", action="store_true", help="skip HF prompt-lookup decoding")
-    parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10)
+    parser.add_argument("--prompt_lookup_num_tokens", type=int, default=10, help="HF prompt lookup: tokens drafted per step")
     parser.add_argument("--lookup", choices=["off", "on", "both"], default="both",
                         help="heads alone (off), heads + chains drafted from the context (on, the Speculator's "
                              "default; rows named '... +lookup'), or both rows (default)")

@@ -164,12 +164,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m inference.forward", description=main.__doc__)
     parser.add_argument("--target", default="smollm2-135m", help="name or path (heads/target.py)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", help="the target's dtype: float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="tokens verified per step")
     parser.add_argument("--caches", type=int, nargs="+", default=[256],
                         help="cache lengths the sizes are timed over, e.g. 256 1536 (a long prompt)")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=20, help="timed forwards per size and cache length")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is steadier)")
     parser.add_argument("--linear", choices=["measured", DEFAULT, ONEDNN, MKL, "both", "all"], default="measured",
                         help="float32 CPU linear kernels: per row count the fastest as measured here (what the "

@@ -50,16 +50,16 @@ class TextStream:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", required=True, help="heads directory or Hub id")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max_new_tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated at most")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling (with temperature > 0); 1 = off")
     parser.add_argument("--tree", default=None, help="auto | default | PATH to a JSON with 'choices' "
                                                       "(default: the heads' tree.json if present)")
     parser.add_argument("--target", default=None, help="target name/path (default: the one named by the heads)")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="the target's dtype: float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (on a busy machine 1 is often faster)")
     parser.add_argument("--typical", action="store_true", help="Medusa typical acceptance (lossy)")
     parser.add_argument("--fixed_tree", action="store_true", help="verify the tree every step instead of adapting "

@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--heads", required=True, help="a Medusa heads directory or Hub id")
     parser.add_argument("--prompts", required=True, help="prompt source spec (heads/prompts.py)")
     parser.add_argument("--per_category", type=int, default=3, help="prompts per family (a row's category)")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--tree", default=None, help="the fixed tree, and --tree auto's step-cost curve (see bench)")
     parser.add_argument("--output", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)

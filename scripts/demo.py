@@ -47,18 +47,18 @@ DEMO_RUN = RunKind("demo", names=("sd", "medusa", "bench", "stages.json", "summa
 @dataclass
 class DemoConfig:
     config: Optional[str] = None  # a YAML with any of these fields
-    output_dir: str = "runs/demo"
-    target: str = "smollm2-135m"
+    output_dir: str = "runs/demo"  # every stage's output goes below it
+    target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
     prompts: str = "mix:train"  # the prompt source self-distilled (heads/prompts.py)
     num_prompts: int = 384  # prompts self-distilled and trained on
     processes: int = 2  # CPU processes for self-distillation and training (accelerate, gloo)
-    num_epochs: int = 6
+    num_epochs: int = 6  # training epochs over the self-distilled rows
     bench_per_category: int = 2  # held-out prompts benchmarked per task family
-    max_new_tokens: int = 96
+    max_new_tokens: int = 96  # tokens generated per benchmarked prompt
     # more flags for a stage's script, e.g. --train_args="--learning_rate 1e-3 --max_steps 50"
-    selfdistill_args: str = ""
-    train_args: str = ""
-    bench_args: str = ""
+    selfdistill_args: str = ""  # more flags for train/selfdistill.py
+    train_args: str = ""  # more flags for train/medusa.py
+    bench_args: str = ""  # more flags for inference/bench.py
 
 
 def launcher(processes: int) -> list[str]:

@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache_dir", required=True, help="the feature_cache_dir the trainer wrote the request in")
     parser.add_argument("--target", help="the model vLLM loads (default: the trainer's, from cache.json)")
     parser.add_argument("--dtype", help="vLLM's dtype (default: the trainer's target dtype, from cache.json)")
-    parser.add_argument("--tensor_parallel_size", type=int, default=1)
-    parser.add_argument("--gpu_memory_utilization", type=float, default=0.3)
+    parser.add_argument("--tensor_parallel_size", type=int, default=1, help="GPUs vLLM shards the target over")
+    parser.add_argument("--gpu_memory_utilization", type=float, default=0.3, help="vLLM's share of (GPU) memory")
     parser.add_argument("--max_num_batched_tokens", type=int, default=16384, help="tokens per forward (>= longest row)")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the hooks travel to the workers pickled,

@@ -3,7 +3,7 @@ kernel measured fastest for each row count."""
 
 from __future__ import annotations
 
-import time
+import collections
 
 import pytest
 import torch
@@ -110,28 +110,69 @@ def test_mkl_rows_padded_to_a_packed_copy_give_a_row_the_same_bits_at_any_row_co
     assert torch.equal(layer(x), F.linear(x, linear.weight, linear.bias))
 
 
+class ScriptedClock:
+    """A clock that only the scripted layers move: the measurement decides on scripted times, never on how busy the
+    machine is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ScriptedLayer:
-    """A layer whose kernels take scripted times: the default 5 ms up to 3 rows and 20 ms beyond, MKL 8 ms, oneDNN
-    10 ms."""
+    """A layer whose kernels take scripted times on `clock`: the default 5 ms up to 3 rows and 20 ms beyond, MKL 8 ms,
+    oneDNN 10 ms."""
 
     in_features = 4
 
+    def __init__(self, clock: ScriptedClock):
+        self.clock = clock
+
+    def seconds(self, rows: int, kernel: str) -> float:
+        return {ONEDNN: 0.010, MKL: 0.008, DEFAULT: 0.005 if rows <= 3 else 0.020}[kernel]
+
     def compute(self, x: torch.Tensor, kernel: str) -> None:
-        time.sleep({ONEDNN: 0.010, MKL: 0.008, DEFAULT: 0.005 if x.shape[0] <= 3 else 0.020}[kernel])
+        self.clock.now += self.seconds(x.shape[0], kernel)
 
 
 def test_measure_gives_each_row_count_its_fastest_kernel():
-    choice = KernelChoice.measure([ScriptedLayer()], rows=(1, 2, 3, 4, 8), rounds=3, kernels=(DEFAULT, MKL, ONEDNN))
+    clock = ScriptedClock()
+    choice = KernelChoice.measure([ScriptedLayer(clock)], rows=(1, 2, 3, 4, 8), rounds=3, kernels=(DEFAULT, MKL, ONEDNN),
+                                  clock=clock)
     assert choice.kernel_by_rows == {1: DEFAULT, 2: DEFAULT, 3: DEFAULT, 4: MKL, 8: MKL}
     assert [choice.kernel(n) for n in (1, 3, 4, 16)] == [DEFAULT, DEFAULT, MKL, MKL]
-    without_mkl = KernelChoice.measure([ScriptedLayer()], rows=(1, 4), rounds=3, kernels=(DEFAULT, ONEDNN))
+    without_mkl = KernelChoice.measure([ScriptedLayer(clock)], rows=(1, 4), rounds=3, kernels=(DEFAULT, ONEDNN),
+                                       clock=clock)
     assert without_mkl.kernel_by_rows == {1: DEFAULT, 4: ONEDNN}
 
 
 def test_measure_keeps_the_earlier_preferred_kernel_near_a_tie():
     class NearTie(ScriptedLayer):
-        def compute(self, x, kernel):
-            time.sleep(0.0100 if kernel == DEFAULT else 0.0098)  # 2% slower: inside the 5% margin
+        def seconds(self, rows, kernel):
+            return 0.0100 if kernel == DEFAULT else 0.0098  # 2% slower: inside the 5% margin
 
-    choice = KernelChoice.measure([NearTie()], rows=(1, 2), rounds=3, kernels=(DEFAULT, MKL, ONEDNN))
+    clock = ScriptedClock()
+    choice = KernelChoice.measure([NearTie(clock)], rows=(1, 2), rounds=3, kernels=(DEFAULT, MKL, ONEDNN), clock=clock)
     assert choice.kernel_by_rows == {1: DEFAULT, 2: DEFAULT}
+
+
+def test_measure_takes_each_kernels_median_so_one_slow_call_changes_nothing():
+    """A call held up once per kernel and row count (the machine busy for it) does not move the choice: the median
+    of three rounds is the scripted time."""
+
+    class OnceSlow(ScriptedLayer):
+        def __init__(self, clock):
+            super().__init__(clock)
+            self.calls = collections.Counter()
+
+        def seconds(self, rows, kernel):
+            self.calls[rows, kernel] += 1
+            held_up = 0.050 if self.calls[rows, kernel] == 2 else 0.0  # call 1 warms up, call 2 is round 1's
+            return super().seconds(rows, kernel) + held_up
+
+    clock = ScriptedClock()
+    choice = KernelChoice.measure([OnceSlow(clock)], rows=(1, 2, 3, 4, 8), rounds=3, kernels=(DEFAULT, MKL, ONEDNN),
+                                  clock=clock)
+    assert choice.kernel_by_rows == {1: DEFAULT, 2: DEFAULT, 3: DEFAULT, 4: MKL, 8: MKL}

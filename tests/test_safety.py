@@ -351,7 +351,7 @@ def test_bad_learning_rates_and_output_dir_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="learning_rate must be a number"):
         parse_config(MedusaTrainConfig, ["--config", str(recipe)])
     recipe.write_text("learning_rate: -0.003\n")
-    with pytest.raises(ConfigError, match="learning_rate must be a non-negative number"):
+    with pytest.raises(ConfigError, match="learning_rate must be a number >= 0"):
         medusa_main(["--config", str(recipe), "--target", str(tmp_path / "no-such-target")])
     a_file = tmp_path / "a-file"
     a_file.write_text("")

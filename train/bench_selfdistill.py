@@ -57,15 +57,15 @@ def generate_padded(model, prompts: list[list[int]], pad_id: int, stop_ids: set[
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--prompts", default="chitchat:train+pycode:train")
+    parser.add_argument("--target", default="smollm2-135m", help="alias, Hub id, local dir or .gguf file")
+    parser.add_argument("--prompts", default="chitchat:train+pycode:train", help="prompt source spec (heads/prompts.py)")
     parser.add_argument("--num_prompts", type=int, default=96, help="the first N prompts of the source")
-    parser.add_argument("--max_new_tokens", type=int, default=128)
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated per answer")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[64, 128], help="packed: rows decoded together")
     parser.add_argument("--generate_batch_sizes", type=int, nargs="+", default=[16], help="generate: rows a batch")
     parser.add_argument("--methods", nargs="+", default=["generate", "packed"],
-                        choices=["generate", "packed", "packed_no_prefix"])
-    parser.add_argument("--repeats", type=int, default=2)
+                        choices=["generate", "packed", "packed_no_prefix"], help="the decoding methods compared")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per method and batch size")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
     if args.threads:

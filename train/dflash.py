@@ -42,19 +42,20 @@ from torch import nn
 from heads.dflash import DFlashDraft, dflash_config_for
 from heads.eagle import most_frequent_tokens
 from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
+from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from train.data import collate, supervised_token_counts
 from train.features import FeatureSource, open_feature_source
-from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+                        truth_rank)
 from train.sharding import plain_model
 
 
 @dataclass
 class DFlashTrainConfig(TrainRunConfig):
-    output_dir: str = "runs/dflash"
-    method: str = "dflash"
-    learning_rate: float = 6e-4
-    warmup_ratio: float = 0.04
+    output_dir: str = "runs/dflash"  # where the heads directory, checkpoints and train_log.jsonl go
+    method: str = "dflash"  # dflash (the only method of this script)
+    learning_rate: float = 6e-4  # peak learning rate (cosine schedule with warmup)
+    warmup_ratio: float = 0.04  # share of the optimizer steps the learning rate warms up over, in [0, 1)
     # draft
     num_layers: int = 2  # draft decoder layers
     block_size: int = 8  # anchor + block_size - 1 drafted tokens
@@ -73,8 +74,11 @@ def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
     check_run_config(cfg, ("dflash",))
     if cfg.num_layers < 1 or cfg.block_size < 2:
         raise ConfigError(f"num_layers must be >= 1 and block_size >= 2, got {cfg.num_layers}, {cfg.block_size}")
-    if cfg.anchors_per_row < 1 or cfg.eval_anchors < 1 or cfg.loss_decay <= 0:
-        raise ConfigError("anchors_per_row and eval_anchors must be >= 1, loss_decay > 0")
+    if cfg.anchors_per_row < 1 or cfg.eval_anchors < 1:
+        raise ConfigError("anchors_per_row and eval_anchors must be >= 1")
+    check_number(cfg, "loss_decay", 0, above=True)
+    check_number(cfg, "draft_vocab_size", 0)
+    check_number(cfg, "mask_token_id", 0, unset=-1, unset_means="the lowest token id no training row contains")
     return cfg
 
 
@@ -230,7 +234,7 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], 
                              cfg.eval_anchors)
         logits = draft.logits(slot_outputs(model, prep)[0], scored).float()  # [K, S, Vd]
         truth = logits.gather(-1, prep["draft_labels"][0][..., None])  # [K, S, 1]
-        rank = torch.where(prep["in_vocab"][0], (logits > truth).sum(-1), R).clamp(max=R)  # [K, S]
+        rank = torch.where(prep["in_vocab"][0], truth_rank(logits, truth, R), R)  # [K, S]
         sup = prep["supervised"][0]
         for j in range(S):
             rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()

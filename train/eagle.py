@@ -55,20 +55,21 @@ from accelerate.utils import DistributedType
 
 from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
 from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
+from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from train.data import collate, shifted_labels, supervised_token_counts
 from train.eagle_unroll import UnrolledDraft
 from train.features import FeatureSource, open_feature_source
-from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+                        truth_rank)
 from train.sharding import plain_model
 
 
 @dataclass
 class EagleTrainConfig(TrainRunConfig):
-    output_dir: str = "runs/eagle"
-    learning_rate: float = 1e-4
-    warmup_ratio: float = 0.05
-    max_grad_norm: float = 0.5
+    output_dir: str = "runs/eagle"  # where the heads directory, checkpoints and train_log.jsonl go
+    learning_rate: float = 1e-4  # peak learning rate (cosine schedule with warmup)
+    warmup_ratio: float = 0.05  # share of the optimizer steps the learning rate warms up over, in [0, 1)
+    max_grad_norm: float = 0.5  # gradients are clipped to this global norm
     # draft
     method: str = "eagle3"  # eagle (EAGLE-1) | eagle3
     feature_layers: Optional[list[int]] = None  # HF hidden_states indices; None: eagle [L], eagle3 [2, L//2, L-3]
@@ -84,14 +85,15 @@ class EagleTrainConfig(TrainRunConfig):
     norm_before_residual: Optional[bool] = None  # the residual around the attention is hidden_norm(feature)
     norm_output: Optional[bool] = None  # feed norm(output) back as the next step's feature
     eval_depth: int = 0  # depths evaluated on held-out rows; 0 = max(3, ttt_steps)
-    supervise_prompt: Optional[bool] = None  # train on prompt and user-turn positions too (evaluation: answers
-    # only); None: eagle3 on (higher held-out acceptance, docs/heads_training.md), eagle off (not measured)
+    # supervise_prompt None: eagle3 on (higher held-out acceptance, docs/heads_training.md), eagle off (not measured)
+    supervise_prompt: Optional[bool] = None  # train on prompt and user-turn positions too (evaluation: answers only); None: eagle3 on, eagle off
     # optimiser
-    optimizer: Optional[str] = None  # adamw | muon (eagle3: Muon on the draft's fc and decoder-layer matrices, AdamW on
-    # the lm_head, norms and biases; train/muon.py). None: eagle3 muon (higher held-out acceptance,
-    # docs/heads_training.md), adamw where FSDP or DeepSpeed shard the matrices; eagle adamw
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
+    # optimizer muon (eagle3): Muon on the draft's fc and decoder-layer matrices, AdamW on the lm_head, norms and
+    # biases (train/muon.py). None: eagle3 muon (higher held-out acceptance, docs/heads_training.md), adamw where FSDP
+    # or DeepSpeed shard the matrices; eagle adamw
+    optimizer: Optional[str] = None  # adamw | muon (eagle3 only); None: muon for eagle3, adamw for eagle and FSDP/DeepSpeed
+    adam_beta1: float = 0.9  # AdamW beta1, in [0, 1)
+    adam_beta2: float = 0.95  # AdamW beta2, in [0, 1)
 
 
 # eagle3 with the norm flags unset: all three RMSNorms on (speculators' default draft), since they raise the held-out
@@ -113,8 +115,15 @@ def check_config(cfg: EagleTrainConfig) -> EagleTrainConfig:
                           "use method: eagle3")
     if cfg.optimizer not in (None, "adamw", "muon") or (cfg.optimizer == "muon" and not eagle3):
         raise ConfigError(f"optimizer must be adamw or muon (muon: method eagle3), got {cfg.optimizer!r}")
-    if ttt < 1 or noise < 0 or cfg.eval_depth < 0:
+    if ttt < 1 or not noise >= 0 or cfg.eval_depth < 0:
         raise ConfigError("ttt_steps must be >= 1, feature_noise and eval_depth >= 0")
+    check_number(cfg, "draft_vocab_size", 0)
+    check_number(cfg, "ttt_decay", 0, above=True)
+    check_number(cfg, "feature_noise", 0)
+    check_number(cfg, "feature_loss_weight", 0)
+    check_number(cfg, "prob_loss_weight", 0)
+    check_number(cfg, "adam_beta1", 0, high=1, below=True)
+    check_number(cfg, "adam_beta2", 0, high=1, below=True)
     supervise_prompt = cfg.supervise_prompt if cfg.supervise_prompt is not None else eagle3
     return dataclasses.replace(cfg, ttt_steps=ttt, feature_noise=noise, eval_depth=cfg.eval_depth or max(3, ttt),
                                supervise_prompt=supervise_prompt, **norms)
@@ -295,7 +304,7 @@ def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int
         in_vocab = draft.t2d[labels] if draft.is_eagle3 else torch.ones_like(labels, dtype=torch.bool)
         label_d = t2d_index[labels].clamp(min=0) if draft.is_eagle3 else labels
         truth = logits.gather(-1, label_d[None, :, None].expand(D, -1, 1))  # [D, N, 1]
-        rank = torch.where(in_vocab[None], (logits > truth).sum(-1), R).clamp(max=R)  # [D, N]
+        rank = torch.where(in_vocab[None], truth_rank(logits, truth, R), R)  # [D, N]
         depth_ok = prep["t_index"][None] >= torch.arange(D, device=dev)[:, None]  # [D, N]
         for d in range(D):
             rank_counts[d] += torch.bincount(rank[d][depth_ok[d]], minlength=R + 1).float()

@@ -42,6 +42,36 @@ def write_shard(path: Path, per_row: list[tuple[torch.Tensor | None, torch.Tenso
     tmp.replace(path)
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def shard_problem(path: Path, row_lengths: list[int], widths: dict[str, int], dtype: torch.dtype) -> str | None:
+    """Why the file at `path` is not a complete shard of rows of `row_lengths` tokens (None: it is one): a header or
+    data it cannot read (a truncated or corrupt file), other tensors, row offsets, shapes or dtype. `widths`: each
+    state tensor's width, {"final": h} plus {"taps": n*h} where the taps are stored. Reads the header and the
+    offsets, not the states."""
+    from safetensors import safe_open
+
+    expected = [0]
+    for length in row_lengths:
+        expected.append(expected[-1] + length)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            keys = set(shard.keys())
+            if keys != {"offsets", *widths}:
+                return f"it holds the tensors {sorted(keys)}, not {sorted({'offsets', *widths})}"
+            if shard.get_tensor("offsets").tolist() != expected:
+                return f"its row offsets are not those of its {len(row_lengths)} rows"
+            for name, width in widths.items():
+                part = shard.get_slice(name)
+                if part.get_shape() != [expected[-1], width] or part.get_dtype() != SAFETENSORS_DTYPES.get(dtype):
+                    return (f"its {name} is {part.get_dtype()} {part.get_shape()}, not "
+                            f"{SAFETENSORS_DTYPES.get(dtype, dtype)} {[expected[-1], width]}")
+    except Exception as err:  # safetensors' own error for a cut or garbled file; OSError
+        return f"it cannot be read, truncated or corrupt ({' '.join(str(err).split())})"
+    return None
+
+
 def rows_sha256(rows_ids: list[list[int]]) -> str:
     """The rows' fingerprint in a cache's identity: their token ids, in order."""
     digest = hashlib.sha256()

@@ -33,7 +33,7 @@ from heads.output_dir import write_file
 from heads.target import resolve_dtype
 from train.config import ConfigError, TrainRunConfig
 from train.data import DataError, pad_features
-from train.feature_shards import rows_sha256, shard_path, write_rows, write_shard
+from train.feature_shards import rows_sha256, shard_path, shard_problem, write_rows, write_shard
 
 
 def final_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -132,7 +132,18 @@ class FeatureSource:
         a, b = offsets[j], offsets[j + 1]
         final = handle.get_slice("final")[a:b]
         taps = final if self.taps_are_final else handle.get_slice("taps")[a:b]
+        if not (torch.isfinite(final).all() and (self.taps_are_final or torch.isfinite(taps).all())):
+            raise DataError(f"the feature cache file {self.shard_path(k)} holds NaN or infinite values (its row {j}): "
+                            "delete that file and rerun (a missing shard is written again); if it comes back, the "
+                            "target itself gives non-finite states in this dtype: try --dtype float32")
         return taps, final
+
+    def shard_problem(self, k: int) -> str | None:
+        """Why shard k's file is not a complete shard of its rows (train/feature_shards.py shard_problem); None: it is."""
+        rows = range(k * self.shard_rows, min((k + 1) * self.shard_rows, len(self.rows)))
+        hidden = self.target.config.get_text_config().hidden_size
+        widths = {"final": hidden} if self.taps_are_final else {"final": hidden, "taps": len(self.layers) * hidden}
+        return shard_problem(self.shard_path(k), [len(self.rows[r]["input_ids"]) for r in rows], widths, self.cache_dtype)
 
     def write_shard(self, k: int) -> None:
         rows = range(k * self.shard_rows, min((k + 1) * self.shard_rows, len(self.rows)))
@@ -180,7 +191,19 @@ def build_feature_cache(source: FeatureSource, identity: dict, hidden: int, acce
                               f"(differs in {diff}); point feature_cache_dir elsewhere or delete it")
     num_layers = source.target.config.get_text_config().num_hidden_layers
     size = cache_bytes(identity["tokens"], hidden, source.layers, num_layers, source.cache_dtype)
-    missing = [k for k in range(source.num_shards) if not source.shard_path(k).is_file()]
+    missing = []
+    for k in range(source.num_shards):
+        problem = source.shard_problem(k) if source.shard_path(k).is_file() else "missing"
+        if problem is None:
+            continue
+        if problem != "missing":  # a file cut by a crash or a full disk, or garbled: this cache's own, written again
+            if writer == "vllm":
+                raise DataError(f"the feature cache file {source.shard_path(k)} is not a complete shard: {problem}; "
+                                "delete it and run scripts/vllm_features.py --cache_dir "
+                                f"{cache_dir} again (it writes the missing shards)")
+            accelerator.print(f"the feature cache file {source.shard_path(k)} is not a complete shard ({problem}): "
+                              "writing it again")
+        missing.append(k)
     accelerator.print(f"feature cache {cache_dir}: {identity['rows']} rows, {identity['tokens']} tokens, "
                       f"{size / 2**20:.1f} MiB in {identity['dtype']} ({size / identity['rows'] / 2**20:.2f} MiB per row; "
                       f"{source.num_shards} shards, {len(missing)} to write)")

@@ -203,6 +203,25 @@ def accumulate(accelerator: Accelerator, model, items: list, loss_fn: Callable) 
     return sums
 
 
+class NonFiniteLoss(DataError):
+    """A training step whose loss or gradient norm is NaN or infinite: the run stops there, before the weights take
+    it (a step's loss is a global mean, so every process stops at the same step)."""
+
+
+def check_finite_step(step: int, loss: float, grad_norm, cfg: TrainRunConfig) -> None:
+    """NonFiniteLoss (one line: the step, the value, the likely causes and fixes) unless `loss` and `grad_norm`
+    (None under DeepSpeed) are finite."""
+    norm = None if grad_norm is None else float(grad_norm)
+    if math.isfinite(loss) and (norm is None or math.isfinite(norm)):
+        return
+    what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {norm}"
+    source = (f"the feature cache {cfg.feature_cache_dir} (delete it to compute it again)" if cfg.feature_cache_dir
+              else f"the target's features or the rows in {cfg.data_dir}")
+    raise NonFiniteLoss(f"step {step}: {what}; nothing was written as finished heads. Likely causes: non-finite values "
+                        f"in {source}, or a learning rate too high for these weights (lower --learning_rate "
+                        f"{cfg.learning_rate:g} or --max_grad_norm {cfg.max_grad_norm:g}); earlier checkpoints are kept")
+
+
 @dataclass
 class Trained:
     model: Any  # as prepared by accelerate (unwrap it for evaluation)
@@ -279,8 +298,13 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
             host = [next(batches) for _ in range(accum)]
             tokens_seen += sum(int(batch["attention_mask"].sum()) for batch in host)  # counted on the host: no sync
             micro = [{k: v if k == "rows" else v.to(accelerator.device) for k, v in b.items()} for b in host]
-            fields = step_fn(model, micro, step)
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            try:
+                fields = step_fn(model, micro, step)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                check_finite_step(step + 1, fields["loss"], grad_norm, cfg)  # before the weights take the step
+            except Exception:
+                bar.close()  # an error's line starts a line of its own, not the progress bar's
+                raise
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -315,6 +339,14 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
 
 # ----------------------------------------------------------------------------------------------------
 # evaluation summary, heads directory, push
+
+
+def truth_rank(logits: torch.Tensor, truth: torch.Tensor, misses: int) -> torch.Tensor:
+    """logits [..., V], truth [..., 1] (the true token's logit) -> rank [...]: how many logits beat the truth's,
+    capped at `misses` (the "rank >= R" column). A row holding a NaN or infinite logit is a miss (`misses`): NaN
+    compares false with everything, and would otherwise rank 0, a hit."""
+    rank = (logits > truth).sum(-1).clamp(max=misses)
+    return rank.masked_fill(~torch.isfinite(logits).all(-1), misses)
 
 
 def rank_summary(rank_counts: torch.Tensor) -> dict:

@@ -49,42 +49,42 @@ from heads.load import load_heads
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.target import load_target
 from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_run_config, parse_config
+from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from train.data import collate, shifted_labels, supervised_token_counts
 from train.features import final_hidden, open_feature_source
-from train.loop import Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train
+from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+                        truth_rank)
 from train.sharding import plain_model
 
 
 @dataclass
 class MedusaTrainConfig(TrainRunConfig):
-    output_dir: str = "runs/medusa"
+    output_dir: str = "runs/medusa"  # where the heads directory, checkpoints and train_log.jsonl go
     learning_rate: float = 1e-3  # heads (residual blocks; also their own lm_heads unless lm_head_learning_rate is set)
     # heads
     method: str = "medusa"  # medusa (Medusa-1, frozen target) | medusa2 (LoRA on the target, trained jointly)
-    num_heads: int = 4
+    num_heads: int = 4  # heads: head k drafts the token k+1 positions after the target's next token
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # True: heads use the target's frozen lm_head (fewer weights, lower accuracy)
     draft_vocab_size: int = 0  # > 0: heads score only this many most frequent target-written tokens (faster)
     head_decay: float = 0.8  # head k's loss weight is head_decay ** k
     # Medusa-1: the target's own distribution as labels (its logits at the position before the label, restricted to
     # the draft vocabulary): loss = (1 - soft_label_weight) * CE(token) + soft_label_weight * soft-CE(target probs)
-    soft_label_weight: float = 0.0
+    soft_label_weight: float = 0.0  # in [0, 1]: the soft term's weight (Medusa-1; 0 = the token alone)
     # Medusa-1 with soft labels: also supervise positions whose label is not target-written (prompt and user turns),
     # with the soft term alone (the target's distribution is known there; the token is not the target's)
-    supervise_prompt: bool = False
+    supervise_prompt: bool = False  # soft labels on prompt and user-turn positions too (needs soft_label_weight > 0)
     init_heads_from: Optional[str] = None  # start from trained heads (e.g. Medusa-1 heads before Medusa-2)
     lm_head_learning_rate: Optional[float] = None  # the heads' own lm_heads (initialised from the target's)
-    optimizer: str = "adamw"  # adamw | muon: Muon on the residual blocks' weight matrices, AdamW on the rest
-    # (train/muon.py)
+    optimizer: str = "adamw"  # adamw | muon: Muon on the residual blocks' weight matrices, AdamW on the rest (train/muon.py)
     # Medusa-2 (the feature caches need Medusa-1: a frozen target)
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    target_learning_rate: float = 1e-4  # the LoRA weights
-    medusa2_warmup_steps: int = 0  # heads-only steps before the target is tuned
-    medusa2_heads_weight: float = 0.2  # lambda: loss = KL(original || tuned) + lambda * heads loss
+    lora_r: int = 16  # Medusa-2: LoRA rank
+    lora_alpha: int = 32  # Medusa-2: LoRA scale (alpha / r multiplies the update)
+    lora_dropout: float = 0.0  # Medusa-2: LoRA dropout, in [0, 1)
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Medusa-2: modules LoRA wraps
+    target_learning_rate: float = 1e-4  # Medusa-2: the LoRA weights' learning rate
+    medusa2_warmup_steps: int = 0  # Medusa-2: heads-only steps before the target is tuned
+    medusa2_heads_weight: float = 0.2  # Medusa-2: lambda in loss = KL(original || tuned) + lambda * heads loss
 
 
 def check_config(cfg: MedusaTrainConfig) -> None:
@@ -95,10 +95,16 @@ def check_config(cfg: MedusaTrainConfig) -> None:
         raise ConfigError(f"num_heads must be >= 1, got {cfg.num_heads}")
     if cfg.draft_vocab_size < 0:
         raise ConfigError(f"draft_vocab_size must be >= 0 (0 = the full vocabulary), got {cfg.draft_vocab_size}")
+    check_number(cfg, "num_layers", 1)
+    check_number(cfg, "head_decay", 0, above=True)
+    check_number(cfg, "lora_r", 1)
+    check_number(cfg, "lora_alpha", 0, above=True)
+    check_number(cfg, "lora_dropout", 0, high=1, below=True)
+    check_number(cfg, "medusa2_warmup_steps", 0)
+    check_number(cfg, "medusa2_heads_weight", 0)
     if (cfg.feature_cache or cfg.feature_cache_dir) and cfg.method == "medusa2":
         raise ConfigError("feature_cache and feature_cache_dir need a frozen target: use them with method medusa only")
-    if not 0.0 <= cfg.soft_label_weight <= 1.0:
-        raise ConfigError(f"soft_label_weight must be in [0, 1], got {cfg.soft_label_weight}")
+    check_number(cfg, "soft_label_weight", 0, high=1)
     if (cfg.soft_label_weight or cfg.supervise_prompt) and cfg.method == "medusa2":
         raise ConfigError("soft_label_weight and supervise_prompt are Medusa-1 options (method medusa)")
     if cfg.supervise_prompt and cfg.soft_label_weight == 0:
@@ -230,7 +236,7 @@ def evaluate(target, heads: MedusaHeads, rows: list[dict], cfg: MedusaTrainConfi
         with accelerator.autocast():
             logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
         truth = logits.gather(-1, labels[..., None])  # [K, N, 1]
-        rank = (logits > truth).sum(-1).clamp(max=R).masked_fill(~in_vocab, R)  # [K, N]; a token the heads cannot draft: a miss
+        rank = truth_rank(logits, truth, R).masked_fill(~in_vocab, R)  # [K, N]; a token the heads cannot draft: a miss
         for k in range(K):
             rank_counts[k] += torch.bincount(rank[k][valid[k]], minlength=R + 1).float()
         # the target's own next-token accuracy on the same data (near 1 for greedy self-distilled rows)

@@ -62,7 +62,7 @@ class SelfDistillConfig:
     config: Optional[str] = None  # recipe YAML
     target: str = "smollm2-135m"  # alias, Hub id, local dir or .gguf file
     prompts: str = "mix:train"  # the broad mix of task families; see heads/prompts.py for the spec strings
-    output_dir: str = "runs/selfdistill"
+    output_dir: str = "runs/selfdistill"  # where dataset/, meta.json and the finished batches (parts/) go
     num_prompts: Optional[int] = None  # first N rows of the source; None = all
     max_turns: int = 2  # user turns answered per conversation
     max_new_tokens: int = 128  # per answer
@@ -72,9 +72,9 @@ class SelfDistillConfig:
     hf_rows: int = 128  # hf: conversations decoded together (continuous batching); does not change the rows
     hf_cache_gib: float = 4.0  # hf: fewer rows where their key/value cache would need more (long prompts)
     temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str = "float32"
+    top_p: float = 1.0  # nucleus sampling (with temperature > 0); 1 = off
+    seed: int = 0  # sampling seed (each batch of prompts gets its own, derived from it)
+    dtype: str = "float32"  # the target's dtype (hf, vllm): float32, bfloat16 or float16
     device: Optional[str] = None  # default: accelerate's device for this process
     system_prompt: Optional[str] = None  # None: the chat template's own default
     chat_template: Optional[str] = None  # a Jinja string or .jinja file, for tokenizers that have none
@@ -86,7 +86,7 @@ class SelfDistillConfig:
     server_url: Optional[list[str]] = None  # base URLs of OpenAI-compatible servers serving the target
     max_in_flight: int = 64  # requests in flight at once, over all servers
     max_retries: int = 3  # failures in a row after which a server is dropped for the run
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # openai: seconds a request may take before it counts as a failure
 
 
 # ---------------------------------------------------------------------------------------------
