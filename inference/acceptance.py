@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from heads.chat import prompt_ids
+from heads.output_dir import OutputDirError, refuse_link, write_file
 from heads.prompt_rows import pick_per_category
 from heads.prompts import PromptSourceError, load_prompts
 from inference.speculator import Speculator, SpeculatorError
@@ -62,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --per_category and --max_new_tokens must be >= 1", file=sys.stderr)
         return 2
     try:
+        if args.output:
+            refuse_link(Path(args.output))  # before the run, not after it
         rows = pick_per_category(load_prompts(args.prompts).rows, args.per_category)
-    except PromptSourceError as err:
+    except (PromptSourceError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     results = {}
@@ -85,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {heads} | {mode.split()[1]} | " + " | ".join(
                 f"{by[c]['tau']:.2f}" if by.get(c, {}).get("tau") is not None else "-" for c in categories) + " |")
     if args.output:
-        Path(args.output).write_text(json.dumps({"prompts": args.prompts, "per_category": args.per_category,
-                                                 "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))
+        write_file(Path(args.output), json.dumps({"prompts": args.prompts, "per_category": args.per_category,
+                                                  "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))
     return 0
 
 

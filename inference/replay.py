@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from heads.output_dir import OutputDirError, refuse_link, write_file
 from heads.prompt_rows import pick_per_category
 from inference.adapt import HEADS_RANKS, StepCost
 from inference.lookup import LookupConfig, chain_draft, lookup_continuation
@@ -142,9 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
     try:
+        if args.output:
+            refuse_link(Path(args.output))  # before the run, not after it
         spec = Speculator.from_pretrained(args.heads, tree=args.tree)
         rows = load_prompts(args.prompts).rows
-    except (SpeculatorError, PromptSourceError) as err:
+    except (SpeculatorError, PromptSourceError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if spec.is_eagle or spec.is_dflash:
@@ -159,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for method, by_key in results.items():
         print(f"| {method} | " + " | ".join(f"{v['speedup']:.2f}x ({v['tau']:.2f})" for v in by_key.values()) + " |")
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
+        write_file(Path(args.output), json.dumps(results, indent=1) + "\n")  # never through a link
     return 0
 
 

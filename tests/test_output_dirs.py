@@ -381,3 +381,20 @@ def test_a_trainer_refuses_its_data_dir_as_output_dir(tiny_target_dir, sd_dir):
     with pytest.raises(ConfigError, match="output_dir and data_dir are one directory"):
         medusa_main(base_args(tiny_target_dir, sd_dir, sd_dir, "--max_steps", "1"))
     assert tree_of(sd_dir) == before
+
+
+@pytest.mark.parametrize("module", ["inference.acceptance", "inference.replay"])
+def test_a_linked_output_file_is_refused_before_the_run(tmp_path, capsys, module):
+    """--output of the acceptance and replay tables never writes through a link: refused (exit 2) before any heads or
+    prompts are read, the file the link points to unchanged."""
+    import importlib
+
+    outside = tmp_path / "bashrc"
+    outside.write_text("export PATH=/usr/bin\n")
+    link = tmp_path / "table.json"
+    link.symlink_to(outside)
+    main = importlib.import_module(module).main
+    assert main(["--heads", str(tmp_path / "no-heads"), "--prompts", "mix:heldout", "--output", str(link)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "symbolic link" in err[0] and str(link) in err[0]
+    assert outside.read_text() == "export PATH=/usr/bin\n" and link.is_symlink()

@@ -13,6 +13,7 @@ from heads.target import TargetLoadError, load_target
 from train.config import ConfigError, parse_config
 from heads.chat import stop_token_ids
 from train.engines import HFEngine
+from train.data import DataError
 from train.selfdistill import (SelfDistillConfig, deal_batches, distill_batch, load_selfdistilled, render_with_mask,
                                row_cost, run_selfdistill)
 
@@ -220,3 +221,12 @@ def test_recipe_unknown_key_and_cli_override(tmp_path):
         parse_config(SelfDistillConfig, ["--config", str(recipe)])
     with pytest.raises(ConfigError, match="--bogus"):
         parse_config(SelfDistillConfig, ["--bogus", "1"])
+
+
+def test_a_run_with_no_conversation_is_an_error_not_an_empty_dataset(tiny_target_dir, tmp_path):
+    """Every prompt too long for max_length: no row comes out, which is a DataError naming the skips (exit 2 from the
+    script), never 'wrote 0 conversations' with an empty dataset that training then fails on."""
+    cfg = tiny_cfg(tiny_target_dir, write_prompts(tmp_path / "p.jsonl", 3), tmp_path / "out", max_length=4)
+    with pytest.raises(DataError, match=r"no conversation came out of 3 prompts .*prompt_too_long"):
+        run_selfdistill(cfg)
+    assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "meta.json").exists()

@@ -385,13 +385,18 @@ def _distill(cfg: SelfDistillConfig, accelerator) -> Path:
     elapsed = time.perf_counter() - start
     accelerator.wait_for_everyone()
 
+    # every process reads the parts, so all refuse an empty result together (no process left waiting at a barrier)
+    records, skipped, generated = [], collections.Counter(source.skipped), 0
+    for k in range(len(batches)):
+        part = json.loads((parts_dir / f"batch_{k:06d}.json").read_text())
+        records += part["records"]
+        skipped.update(part["skipped"])
+        generated += part["generated_tokens"]
+    if not records:
+        raise DataError(f"no conversation came out of {len(source.rows)} prompts (skipped: {dict(skipped) or 'none'}): "
+                        "nothing to train on, no dataset written. Raise max_new_tokens / max_length or pass other "
+                        "--prompts, with a new --output_dir")
     if accelerator.is_main_process:
-        records, skipped, generated = [], collections.Counter(source.skipped), 0
-        for k in range(len(batches)):
-            part = json.loads((parts_dir / f"batch_{k:06d}.json").read_text())
-            records += part["records"]
-            skipped.update(part["skipped"])
-            generated += part["generated_tokens"]
         records.sort(key=lambda r: r["source_index"])
         dataset = datasets.Dataset.from_list(records)
         tmp = output_dir / ".dataset.tmp"
