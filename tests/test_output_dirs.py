@@ -398,3 +398,22 @@ def test_a_linked_output_file_is_refused_before_the_run(tmp_path, capsys, module
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "symbolic link" in err[0] and str(link) in err[0]
     assert outside.read_text() == "export PATH=/usr/bin\n" and link.is_symlink()
+
+
+def test_generate_writes_nothing_but_its_heads_tree_json(tiny_target_dir, heads_dir, tmp_path, monkeypatch, capsys):
+    """generate has no output directory: run from a folder of a user's files (and a copy of the repository), with
+    --tree auto, it changes nothing there; in the heads directory it adds tree.json and nothing else."""
+    from inference.generate import main as generate_main
+
+    heads = tmp_path / "heads-copy"
+    shutil.copytree(heads_dir, heads)
+    heads_before = tree_of(heads)
+    for folder in (unrelated(tmp_path / "mine"), repo_like(tmp_path / "repo")):
+        before = tree_of(folder)
+        monkeypatch.chdir(folder)
+        assert generate_main(["--heads", str(heads), "--target", str(tiny_target_dir), "--prompt", "hi",
+                              "--max_new_tokens", "3", "--tree", "auto"]) == 0
+        assert tree_of(folder) == before
+    after = tree_of(heads)
+    assert set(after) - set(heads_before) == {"tree.json"}
+    assert {k: v for k, v in after.items() if k != "tree.json"} == heads_before
