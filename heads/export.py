@@ -14,6 +14,10 @@ converted, and how) and `.headstart-run.json` (the files the export owns there: 
 cannot represent is refused with the reason (ExportError), never dropped silently (engines skip unknown tensors and
 config keys without a word).
 
+The chain length is the one predicted to serve fastest in the format's engine (heads/served_speed.py: the heads'
+held-out acceptance over the engine's step-cost curve, measured in the heads directory's engines.json or a
+documented prior); when none is predicted to pay, the card and the printed command serve the target without a draft.
+
 What each engine loads, and how a heads directory becomes it: heads/export_formats.py; the model card and
 launch commands: heads/export_card.py.
 """
@@ -32,13 +36,15 @@ from typing import Any
 
 import torch
 
-from heads.export_card import launch_snippets, model_card
+from heads.export_card import launch_snippets, model_card, model_free_note
 from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
                                   looks_like_hub_id, medusa_export, target_hub_id)
 from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
+from heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
 
 FORMATS = ("vllm", "sglang", "speculators")
+ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang"}  # whose step costs choose k
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
 EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE)
 MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far above a useful chain
@@ -56,8 +62,10 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     target: the target model (loaded, or a name / path), needed for EAGLE-1 to vLLM (its embedding) and shared-lm_head
     Medusa (its lm_head); default: the target the heads name, checked against their fingerprint.
     target_id: the target's Hub id for the card and the speculators verifier (default: found from the heads' config,
-    see `target_hub_id`). num_speculative_tokens: the chain length in the launch command (default: Medusa's number of
-    heads, EAGLE's evaluated depth). repo_id: where the export will be pushed (the card's commands name it).
+    see `target_hub_id`). num_speculative_tokens: the chain length in the launch command (default: the length with the
+    highest predicted served speedup in the format's engine, heads/served_speed.py, up to Medusa's number of heads or
+    EAGLE's evaluated depth; DFlash: block_size - 1; when none is predicted to pay, the card shows the target served
+    without a draft). repo_id: where the export will be pushed (the card's commands name it).
     """
     from heads.directory import read_method, read_metrics, resolve_heads_dir
     from heads.load import load_heads
@@ -72,6 +80,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     cfg = heads.config
     metrics = read_metrics(source)  # its figures checked: numbers in range, or a HeadsLoadError naming the field
     k = _speculative_tokens(method, cfg, metrics, num_speculative_tokens)
+    k, served = _served_speed(method, metrics, source, fmt, k, num_speculative_tokens)
     if target_id is not None and not looks_like_hub_id(target_id):
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")
@@ -102,7 +111,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
             for name, content in files.items():
                 torch.save(content, tmp / name)
             info = {"format": fmt, "method": method, "source": str(heads_dir), "target": cfg.target,
-                    "target_hub_id": hub_id, "num_speculative_tokens": k, "notes": notes,
+                    "target_hub_id": hub_id, "num_speculative_tokens": k, "served_speed": served, "notes": notes,
                     "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
             (tmp / "export.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
             (tmp / "README.md").write_text(model_card(info, metrics, repo_id or str(out)))
@@ -151,6 +160,18 @@ def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> i
         raise ExportError(f"num_speculative_tokens {k} is more than the {MAX_SPECULATIVE_TOKENS} an EAGLE chain "
                           "export takes: pass a smaller --num_speculative_tokens")
     return k
+
+
+def _served_speed(method: str, metrics: dict, source: Path, fmt: str, k: int, asked: int | None) -> tuple[int, dict]:
+    """(the chain length to export, export.json's `served_speed` record). Unless the user asked for a length, the
+    length with the highest predicted speedup in the format's engine among 1..k (DFlash: k itself, its block is
+    fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
+    engine = ENGINE_OF_FORMAT[fmt]
+    if asked is not None:
+        return k, served_record(predict_at(metrics, method, engine, source, k), "user")
+    candidates = [k] if method == "dflash" else range(1, k + 1)
+    choice = choose_draft_length(metrics, method, engine, source, candidates)
+    return choice.best_k or k, served_record(choice, "export", fallback_k=k)
 
 
 def export_run_kind(fmt: str) -> RunKind:
@@ -228,9 +249,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     info = _read_json(out / "export.json")
-    print(f"wrote {out} ({args.fmt}); serve it with:")
+    served = info["served_speed"]
+    if served["warning"]:
+        print(f"warning: {served['warning']}", file=sys.stderr)
+    how = "" if served["serve_without_draft"] else "; serve it with"
+    print(f"wrote {out} ({args.fmt}); {served_summary(served)}{how}:")
     for line in launch_snippets(info, args.repo_id or str(out)):
         print("  " + line)
+    model_free = model_free_note(info)
+    if model_free:
+        print(model_free)
     return 0
 
 

@@ -7,29 +7,17 @@ import json
 import shlex
 
 from heads.export_formats import looks_like_hub_id
-
-
-def expected_acceptance(metrics: dict, k: int) -> float | None:
-    """Mean acceptance length (tokens per target step, bonus included) a greedy chain of k should reach, from the
-    held-out metrics: EAGLE's `chain_accepted_tokens` when k is its evaluated depth, else the product estimate
-    1 + sum_j prod_{i<=j} top1_i (heads treated as independent)."""
-    top1 = metrics.get("top1") or []
-    if "chain_accepted_tokens" in metrics and len(top1) == k:
-        return 1.0 + float(metrics["chain_accepted_tokens"])
-    if len(top1) < k:
-        return None
-    total, run = 1.0, 1.0
-    for p in top1[:k]:
-        run *= float(p)
-        total += run
-    return total
+from heads.served_speed import ENGINE_NAMES, MODEL_FREE, expected_acceptance, served_summary
 
 
 def launch_snippets(info: dict, model_ref: str) -> list[str]:
     """The engine's launch command(s) for an export referenced as `model_ref` (a local dir or Hub repo id). The
     target is its Hub id, or the placeholder TARGET where none is known (the card says which target to pair); every
-    argument is shell-quoted."""
+    argument is shell-quoted. When no draft length is predicted to pay (export.json's served_speed), the command
+    serves the target alone."""
     target = info["target_hub_id"] if looks_like_hub_id(info["target_hub_id"]) else "TARGET"
+    if _serve_without_draft(info):
+        return plain_launch(info["format"], target)
     k = int(info["num_speculative_tokens"])
     ref = shlex.quote(model_ref)
     if info["format"] == "sglang":
@@ -44,6 +32,52 @@ def launch_snippets(info: dict, model_ref: str) -> list[str]:
     if info["format"] == "speculators":
         lines.append(f"vllm serve {ref}    # the speculators config names its verifier ({target})")
     return lines
+
+
+def plain_launch(fmt: str, target: str) -> list[str]:
+    """The engine's launch command for the target alone, without a draft."""
+    if fmt == "sglang":
+        return [f"python -m sglang.launch_server --model-path {target}"]
+    return [f"vllm serve {target}"]
+
+
+def _serve_without_draft(info: dict) -> bool:
+    return bool((info.get("served_speed") or {}).get("serve_without_draft"))
+
+
+def model_free_note(info: dict) -> str | None:
+    """When no draft length pays: the engine's model-free drafting, to be measured before use (None otherwise, or
+    when the engine has none)."""
+    served = info.get("served_speed") or {}
+    if not served.get("serve_without_draft") or served["engine"] not in MODEL_FREE:
+        return None
+    return f"{MODEL_FREE[served['engine']]}: measure it against serving without a draft before using it."
+
+
+def served_paragraph(info: dict) -> str:
+    """The card's paragraph on the served speed: the predicted speedup and where it comes from, or that no draft
+    length pays (the exported files are written all the same), or that none was predicted."""
+    served = info.get("served_speed")
+    if not served:
+        return ""
+    name = ENGINE_NAMES[served["engine"]]
+    how = ("measured by the engine check (`engines.json` in the heads directory"
+           f"{', ' + name + ' ' + served['engine_version'] if served.get('engine_version') else ''})"
+           if served["source"] == "measured" else
+           "the heads' held-out acceptance and the engine's documented step-cost prior (headstart's "
+           "docs/serving.md, \"Choosing the draft length per engine\"); a prediction, not a measurement")
+    text = f"**Served speed.** {served_summary(served)[0].upper()}{served_summary(served)[1:]}."
+    if served["source"] != "none":
+        text += f" From {how}."
+    if served["serve_without_draft"]:
+        text += (" The command below serves the target alone; the exported draft is written all the same, for measuring it in the engine or serving it "
+                 "after more training.")
+        note = model_free_note(info)
+        if note:
+            text += f" {note}"
+    elif served["warning"]:
+        text += f" Warning: {served['warning']}."
+    return text + "\n"
 
 
 def model_card(info: dict, metrics: dict, model_ref: str) -> str:
@@ -70,7 +104,7 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
     notes = "\n".join(f"- {name}: {json.dumps(v) if not isinstance(v, str) else v}" for name, v in info["notes"].items())
     snippets = "\n".join(launch_snippets(info, model_ref))
     py = ""
-    if info["format"] != "sglang":
+    if info["format"] != "sglang" and not _serve_without_draft(info):
         spec = {"method": info["method"],
                 "model": model_ref, "num_speculative_tokens": k}
         extra = ', model_loader_extra_config={"enable_weights_track": False}' if "token_map" in info["notes"] else ""
@@ -96,6 +130,7 @@ Written by `python -m heads.export ... --format {info['format']}` from a headsta
 {snippets}
 ```
 {py}{vllm_note}{sglang_note}
+{served_paragraph(info)}
 {acc_line} With greedy decoding the output is the target's own; the draft only changes speed.
 
 Conversion notes:

@@ -1,0 +1,246 @@
+"""heads/served_speed.py: the draft length chosen per engine from held-out acceptance and a step-cost curve (the
+documented prior, or engines.json's measurements), and the export that follows it: a draft length that pays, or the
+target served without a draft. Scripted acceptance and step costs; tiny random heads, no engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from heads.directory import HeadsLoadError
+from heads.export import export_heads, main
+from heads.served_speed import (PAYS_AT, PRIORS, choose_draft_length, expected_acceptance, predict_at,
+                                read_engines)
+from test_bad_files import commands
+from test_export import dflash_dir, eagle_dir, make_target, medusa_dir
+
+STRONG = {"top1": [0.9] * 5}  # a draft that pays on vLLM's prior
+WEAK = {"top1": [0.1, 0.05, 0.02]}  # a draft that pays nowhere
+# the issue's Medusa demo heads in vLLM 0.32 CPU: k = 3, mean acceptance length 1.17
+MEDUSA_DEMO = {"top1": [0.15, 0.1, 0.1], "chain_accepted_tokens": 0.17}
+
+
+def record(engine="vllm", k=3, acceptance=2.0, with_=10.0, without=12.0, **extra):
+    return {"engine": engine, "version": "0.32.0", "k": k, "acceptance": acceptance, "tokens_per_s_with": with_,
+            "tokens_per_s_without": without, **extra}
+
+
+# --------------------------------------------------------------------------------------------------- the choice
+
+
+def test_high_acceptance_picks_a_long_chain_low_acceptance_none():
+    choice = choose_draft_length(STRONG, "eagle3", "vllm")
+    assert (choice.k, choice.source, choice.pays) == (5, "prior", True)
+    # tau(5) = 1 + 0.9 + ... + 0.9^5; a step: 1 + verify 0.282 * 5/3 + 5 draft forwards of 0.10
+    tau = 1 + sum(0.9 ** j for j in range(1, 6))
+    assert choice.speedup == pytest.approx(tau / (1 + 0.282 * 5 / 3 + 0.5))
+    assert list(choice.curve) == [1, 2, 3, 4, 5] and max(choice.curve.values()) == choice.speedup
+    weak = choose_draft_length(WEAK, "eagle3", "vllm")
+    assert (weak.k, weak.source, weak.pays) == (None, "prior", False) and weak.speedup < 1.0
+
+
+def test_the_issue_medusa_demo_figures_serve_without_a_draft():
+    """vLLM 0.32 CPU measured 0.91x for these heads at k = 3 (13.7 tok/s plain, 12.5 with the draft): the prior,
+    derived from that figure, predicts it and no shorter chain pays either."""
+    assert expected_acceptance(MEDUSA_DEMO, 3) == pytest.approx(1.17)
+    choice = choose_draft_length(MEDUSA_DEMO, "medusa", "vllm", candidates=range(1, 4))
+    assert choice.k is None and choice.best_k == 3 and choice.source == "prior"
+    assert choice.speedup == pytest.approx(12.5 / 13.7, abs=0.005)
+
+
+def test_the_llamacpp_priors_reproduce_the_issue_figures():
+    """llama.cpp: verifying 4 tokens costs 2.2x a one-token step (f32); EAGLE-3 at tau 1.323 measured 0.65x (f32) and
+    0.40x (Q4_1), DFlash at 1.061 0.45x and 0.18x: each predicted at or below the measurement, and none pays."""
+    f32, q4 = PRIORS["llamacpp-f32"], PRIORS["llamacpp"]
+    assert f32.step_cost("medusa", 3) == pytest.approx(2.2)
+    for prior, eagle, dflash in ((f32, 0.65, 0.45), (q4, 0.40, 0.18)):
+        assert 1.323 / prior.step_cost("eagle3", 3) <= eagle + 0.01
+        assert 1.061 / prior.step_cost("dflash", 7) <= dflash + 0.01
+    assert q4.step_cost("eagle3", 3) == pytest.approx(3.48)  # the issue: break even "over 3.5" tokens a step
+    assert choose_draft_length(MEDUSA_DEMO, "eagle3", "llamacpp").k is None
+    assert choose_draft_length(STRONG, "eagle3", "llamacpp-f32").k == 3  # verifying a long chain is dear there
+
+
+def test_step_costs_grow_with_the_chain_and_the_draft_forwards():
+    prior = PRIORS["vllm"]
+    assert prior.step_cost("medusa", 1) == prior.step_cost("medusa", 3) == pytest.approx(1.282)  # envelope
+    assert prior.step_cost("medusa", 6) == pytest.approx(1.564)
+    assert prior.step_cost("eagle3", 3) == pytest.approx(1.582)  # + one draft forward per depth
+    assert prior.step_cost("dflash", 7) == pytest.approx(1 + 0.282 * 7 / 3 + 0.1)  # one forward per block
+
+
+def test_a_dflash_block_is_not_shortened_and_a_user_length_is_kept():
+    strong = {"top1": [0.8] * 3}
+    assert choose_draft_length(strong, "dflash", "vllm", candidates=[3]).k == 3
+    assert choose_draft_length({"top1": [0.2] * 3}, "dflash", "vllm", candidates=[3]).k is None
+    kept = predict_at(WEAK, "eagle3", "vllm", None, 2)
+    assert kept.k == 2 and kept.speedup < 1.0 and kept.source == "prior"
+
+
+def test_without_held_out_acceptance_nothing_is_predicted():
+    choice = choose_draft_length({}, "eagle3", "vllm", candidates=range(1, 4))
+    assert (choice.k, choice.speedup, choice.source, choice.best_k) == (None, None, "none", None)
+
+
+def test_a_marginal_prediction_does_not_pay():
+    """tau 1.47 at k = 1 on vLLM: 1.47 / 1.382 = 1.064 pays, tau 1.42: 1.027 (below PAYS_AT) does not."""
+    assert choose_draft_length({"top1": [0.47]}, "eagle3", "vllm").k == 1
+    marginal = choose_draft_length({"top1": [0.42]}, "eagle3", "vllm")
+    assert marginal.k is None and 1.0 < marginal.speedup < PAYS_AT
+
+
+# ---------------------------------------------------------------------------------------------- engines.json
+
+
+def test_engines_json_overrides_the_prior(tmp_path):
+    (tmp_path / "engines.json").write_text(json.dumps([
+        record(k=3, acceptance=3.4, with_=10.0, without=12.0, step_cost={"1": 1.2, "2": 1.5}),
+        record(engine="llamacpp", k=2, acceptance=2.0, with_=30.0, without=10.0),  # another engine: not read for vLLM
+    ]))
+    choice = choose_draft_length(STRONG, "eagle3", "vllm", tmp_path)
+    assert (choice.k, choice.source, choice.version) == (2, "measured", "0.32.0")
+    assert choice.curve == pytest.approx({1: 1.9 / 1.2, 2: 2.71 / 1.5, 3: 10 / 12})  # k = 3: its measured speedup
+    assert choose_draft_length(STRONG, "eagle3", "llamacpp", tmp_path).curve == {2: 3.0}
+    # a measurement that does not pay wins over a prior that does
+    (tmp_path / "engines.json").write_text(json.dumps([record(k=3, acceptance=3.4, with_=11.0, without=12.0)]))
+    choice = choose_draft_length(STRONG, "eagle3", "vllm", tmp_path)
+    assert (choice.k, choice.best_k, choice.source) == (None, 3, "measured")
+    assert choice.speedup == pytest.approx(11 / 12)
+    # a measurement at a length the heads cannot serve leaves the prior
+    assert choose_draft_length(STRONG, "eagle3", "vllm", tmp_path, candidates=[1, 2]).source == "prior"
+
+
+@pytest.mark.parametrize("content,field", [
+    ("{}", "the top level must be a JSON list"),
+    ("[1]", r"\[0\] must be a JSON object"),
+    (json.dumps([record(engine="tgi")]), r"\[0\]\.engine is 'tgi'"),
+    (json.dumps([record(k=True)]), r"\[0\]\.k must be an integer"),
+    (json.dumps([record(k=0)]), r"\[0\]\.k is 0, outside 1"),
+    (json.dumps([record(), record(acceptance=float("nan"))]), r"\[1\]\.acceptance must be a finite number"),
+    (json.dumps([record(k=3, acceptance=4.5)]), r"\[0\]\.acceptance is 4\.5, outside 1\.0\.\.4\.0"),
+    (json.dumps([record(with_=0)]), r"\[0\]\.tokens_per_s_with is 0"),
+    (json.dumps([record(without="12")]), r"\[0\]\.tokens_per_s_without must be a finite number"),
+    (json.dumps([record(step_cost={"x": 1.2})]), r"\[0\]\.step_cost has key 'x'"),
+    (json.dumps([record(step_cost={"2": 1e9})]), r"\[0\]\.step_cost\.2 is 1000000000\.0, outside"),
+    (json.dumps([record(step_cost=[1.2])]), r"\[0\]\.step_cost must be a JSON object"),
+    (json.dumps([{"engine": "vllm", "version": "1", "k": 3}]), r"\[0\] has no 'acceptance'"),
+    ("[{", "is not valid JSON"),
+])
+def test_malformed_engines_json_is_refused_by_field(tmp_path, content, field):
+    (tmp_path / "engines.json").write_text(content)
+    with pytest.raises(HeadsLoadError, match=field) as err:
+        read_engines(tmp_path)
+    message = str(err.value)
+    assert "engines.json" in message and "rerun the engine check" in message and "\n" not in message
+
+
+def test_an_export_refuses_a_malformed_engines_json_in_one_line(tmp_path, capsys):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    (src / "engines.json").write_text(json.dumps([record(with_=float("inf"))]))
+    assert main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "[0].tokens_per_s_with must be a finite number" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------------- the export
+
+
+def card_of(out) -> str:
+    return (out / "README.md").read_text()
+
+
+def test_weak_heads_export_says_serve_without_a_draft(tmp_path):
+    model, info = make_target("llama", layers=2)
+    src, _ = medusa_dir(tmp_path, info)
+    (src / "metrics.json").write_text(json.dumps(WEAK))
+    out = export_heads(src, tmp_path / "out", "vllm", target=model)
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    assert served["serve_without_draft"] is True and served["source"] == "prior" and served["engine"] == "vllm"
+    assert served["predicted_speedup"] < 1.0 and served["chosen_by"] == "export"
+    card = card_of(out)
+    assert commands(card) == ["vllm serve TARGET"]  # the target alone
+    assert '"method": "medusa"' not in card and "from vllm import LLM" not in card
+    assert "No draft length is predicted to pay in vLLM" in card and "serve the target without a draft" in card
+    assert '"method": "ngram"' in card  # vLLM's model-free mode, to measure
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()  # written all the same
+
+
+def test_weak_heads_cli_prints_no_draft_command(tmp_path, capsys):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(WEAK))
+    assert main([str(src), str(tmp_path / "sg"), "--format", "sglang"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "no draft length is predicted to pay in SGLang" in printed[0]
+    assert [line.strip() for line in printed[1:]] == ["python -m sglang.launch_server --model-path TARGET"]
+    assert commands(card_of(tmp_path / "sg")) == ["python -m sglang.launch_server --model-path TARGET"]
+
+
+def test_strong_heads_get_a_length_and_a_predicted_speedup(tmp_path, capsys):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    out = tmp_path / "out"
+    assert main([str(src), str(out)]) == 0
+    expected = choose_draft_length(STRONG, "eagle3", "vllm")
+    printed = capsys.readouterr().out.splitlines()
+    assert f"predicted served speedup in vLLM at k=5: {expected.speedup:.2f}x (prior); serve it with:" in printed[0]
+    info_json = json.loads((out / "export.json").read_text())
+    assert info_json["num_speculative_tokens"] == 5
+    served = info_json["served_speed"]
+    assert served["k"] == 5 and served["predicted_speedup"] == pytest.approx(expected.speedup, abs=1e-4)
+    assert served["source"] == "prior" and served["serve_without_draft"] is False
+    card = card_of(out)
+    assert f"Predicted served speedup in vLLM at k=5: {expected.speedup:.2f}x (prior)" in card
+    assert '"num_speculative_tokens": 5' in commands(card)[0] and "from vllm import LLM" in card
+
+
+def test_a_measured_curve_decides_the_export(tmp_path):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    (src / "engines.json").write_text(json.dumps([record(k=3, acceptance=3.4, with_=11.0, without=12.0)]))
+    out = export_heads(src, tmp_path / "out", "speculators")
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    assert served["serve_without_draft"] is True and served["source"] == "measured"
+    assert served["engine_version"] == "0.32.0" and served["k"] == 3
+    assert commands(card_of(out)) == ["vllm serve TARGET"]  # no speculators command: its config names the draft
+    assert "measured by the engine check" in card_of(out)
+
+
+def test_a_users_length_is_honoured_with_a_warning(tmp_path, capsys):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(WEAK))
+    out = tmp_path / "out"
+    assert main([str(src), str(out), "--num_speculative_tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith("warning: num_speculative_tokens 2 is predicted to slow vLLM down")
+    card = card_of(out)
+    assert '"num_speculative_tokens": 2' in commands(card)[0] and "Warning: num_speculative_tokens 2" in card
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    assert served["chosen_by"] == "user" and served["serve_without_draft"] is False
+
+
+def test_a_weak_dflash_draft_keeps_its_block_and_is_not_recommended(tmp_path):
+    model, info = make_target("llama")
+    path, _ = dflash_dir(tmp_path, model, info, [2, 3])
+    (path / "metrics.json").write_text(json.dumps({"top1": [0.2, 0.1, 0.05]}))
+    out = export_heads(path, tmp_path / "out", "vllm", target=model)
+    info_json = json.loads((out / "export.json").read_text())
+    assert info_json["num_speculative_tokens"] == 3 and info_json["served_speed"]["serve_without_draft"] is True
+    assert commands(card_of(out)) == ["vllm serve TARGET"]
+
+
+def test_heads_without_metrics_keep_their_length_and_say_it_is_unpredicted(tmp_path, capsys):
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    assert main([str(src), str(tmp_path / "out")]) == 0
+    assert "served speedup in vLLM not predicted" in capsys.readouterr().out.splitlines()[0]
+    served = json.loads((tmp_path / "out" / "export.json").read_text())["served_speed"]
+    assert (served["source"], served["k"], served["serve_without_draft"]) == ("none", 3, False)
+    assert '"num_speculative_tokens": 3' in commands(card_of(tmp_path / "out"))[0]
