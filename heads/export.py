@@ -4,6 +4,7 @@
     python -m heads.export runs/eagle3-smollm2/heads out/eagle3-sglang --format sglang
     python -m heads.export runs/eagle3-smollm2/heads out/eagle3-speculators --format speculators
     python -m heads.export runs/dflash-smollm2/heads out/dflash-vllm --format vllm
+    python -m heads.export runs/eagle3-smollm2/heads out/eagle3-gguf --format llamacpp   # draft.gguf for llama.cpp
 
     from heads.export import export_heads
     export_heads("runs/eagle3-smollm2/heads", "out/eagle3-vllm", "vllm")   # -> Path("out/eagle3-vllm")
@@ -19,7 +20,8 @@ held-out acceptance over the engine's step-cost curve, measured in the heads dir
 documented prior); when none is predicted to pay, the card and the printed command serve the target without a draft.
 
 What each engine loads, and how a heads directory becomes it: heads/export_formats.py; the model card and
-launch commands: heads/export_card.py.
+launch commands: heads/export_card.py. `--format llamacpp` writes `draft.gguf` (one GGUF, no config.json or
+safetensors) instead: heads/export_gguf.py.
 """
 
 from __future__ import annotations
@@ -37,16 +39,17 @@ from typing import Any
 import torch
 
 from heads.export_card import launch_snippets, model_card, model_free_note
+from heads.export_gguf import GGUF_FILE, llamacpp_card, llamacpp_export, llamacpp_snippets
 from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
                                   looks_like_hub_id, medusa_export, target_hub_id)
 from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
 from heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
 
-FORMATS = ("vllm", "sglang", "speculators")
-ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang"}  # whose step costs choose k
+FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
+ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}  # whose step costs choose k
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
-EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE)
+EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE, GGUF_FILE)
 MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far above a useful chain
 
 
@@ -55,7 +58,7 @@ MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far 
 
 def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", *, target: Any = None,
                  target_id: str | None = None, num_speculative_tokens: int | None = None, repo_id: str | None = None,
-                 medusa_full_vocab: bool = False, overwrite: bool = False) -> Path:
+                 medusa_full_vocab: bool = False, overwrite: bool = False, target_gguf: str | Path | None = None) -> Path:
     """Write `heads_dir` (a local heads directory or Hub id) to `out_dir` in `fmt` ("vllm", "sglang",
     "speculators"); returns out_dir. ExportError says why a format cannot hold these heads.
 
@@ -66,6 +69,8 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     highest predicted served speedup in the format's engine, heads/served_speed.py, up to Medusa's number of heads or
     EAGLE's evaluated depth; DFlash: block_size - 1; when none is predicted to pay, the card shows the target served
     without a draft). repo_id: where the export will be pushed (the card's commands name it).
+    target_gguf: llamacpp only, the target's GGUF (its tokenizer goes into the draft; the command serves it); default:
+    the embedded target's own GGUF when the heads were trained on it.
     """
     from heads.directory import read_method, read_metrics, resolve_heads_dir
     from heads.load import load_heads
@@ -85,7 +90,10 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")
     hub_id = target_id or target_hub_id(cfg.target)
-    if method == "eagle3":
+    if fmt == "llamacpp":
+        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
+        config, tensors, notes = None, {}, gguf_draft.notes
+    elif method == "eagle3":
         config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or _local_target(cfg.target))
     elif method == "eagle":
         config, tensors, notes = eagle1_export(heads, fmt, target)
@@ -104,17 +112,22 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         tmp = out / f".export-{uuid.uuid4().hex[:8]}.tmp"  # inside out: nothing is written beside it
         tmp.mkdir()
         try:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if fmt == "llamacpp":
+                gguf_draft.write(tmp / GGUF_FILE)
+            else:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             files = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".pt")}  # files of their own
-            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+            if tensors:
+                save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / "model.safetensors"),
+                          metadata={"format": "pt"})
             for name, content in files.items():
                 torch.save(content, tmp / name)
             info = {"format": fmt, "method": method, "source": str(heads_dir), "target": cfg.target,
                     "target_hub_id": hub_id, "num_speculative_tokens": k, "served_speed": served, "notes": notes,
                     "headstart_config": {key: v for key, v in asdict(cfg).items() if key != "layer_config"}}
             (tmp / "export.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-            (tmp / "README.md").write_text(model_card(info, metrics, repo_id or str(out)))
+            card = llamacpp_card if fmt == "llamacpp" else model_card
+            (tmp / "README.md").write_text(card(info, metrics, repo_id or str(out)))
             honour_umask(tmp)  # safetensors writes 0600
             # the files an earlier export wrote (its manifest) are replaced; anything else in out stays
             owned = owned_entries(out, kind)
@@ -240,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo_id", default=None, help="the Hub repo the export will be pushed to (named in the card)")
     parser.add_argument("--medusa_full_vocab", action="store_true", help="ship the whole lm_head, no token_map")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
+    parser.add_argument("--target_gguf", default=None, help="llamacpp: the target's .gguf (its tokenizer goes into "
+                        "the draft; the command serves it); default: the embedded target's own GGUF")
     args = parser.parse_args(argv)
     try:
         out = export_heads(args.heads_dir, args.out_dir, args.fmt, target=args.target, target_id=args.target_id,
                            num_speculative_tokens=args.num_speculative_tokens, repo_id=args.repo_id,
-                           medusa_full_vocab=args.medusa_full_vocab, overwrite=args.overwrite)
+                           medusa_full_vocab=args.medusa_full_vocab, overwrite=args.overwrite,
+                           target_gguf=args.target_gguf)
     except (ExportError, HeadsLoadError, TargetLoadError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -254,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {served['warning']}", file=sys.stderr)
     how = "" if served["serve_without_draft"] else "; serve it with"
     print(f"wrote {out} ({args.fmt}); {served_summary(served)}{how}:")
-    for line in launch_snippets(info, args.repo_id or str(out)):
+    snippets = llamacpp_snippets if args.fmt == "llamacpp" else launch_snippets
+    for line in snippets(info, args.repo_id or str(out)):
         print("  " + line)
     model_free = model_free_note(info)
     if model_free:
