@@ -242,3 +242,24 @@ def test_cli_exit_codes(tmp_path, capsys):
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "norm_output" in run.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_weak_heads_llamacpp_card_and_command_serve_the_target_alone(tmp_path, capsys):
+    """The llama.cpp export chooses its length on llama.cpp's step-cost prior: a weak draft's card and printed command
+    serve the target GGUF alone (the draft file is written all the same); a strong one gets a length and a figure."""
+    model, info = make_target("llama")
+    tgt = target_gguf(tmp_path / "target.gguf")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps({"top1": [0.1, 0.05, 0.02]}))
+    assert main([str(src), str(tmp_path / "weak"), "--format", "llamacpp", "--target_gguf", str(tgt)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert "no draft length is predicted to pay in llama.cpp" in printed[0]
+    assert printed[1].strip() == f"llama-server -m {tgt}"
+    card = (tmp_path / "weak" / "README.md").read_text()
+    assert "--spec-draft-model" not in card and f"llama-server -m {tgt}\n" in card
+    assert (tmp_path / "weak" / "draft.gguf").is_file()
+    (src / "metrics.json").write_text(json.dumps({"top1": [0.95] * 3}))
+    out = export_heads(src, tmp_path / "strong", "llamacpp", target_gguf=tgt)
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    assert served["engine"] == "llamacpp" and not served["serve_without_draft"] and served["predicted_speedup"] >= 1.05
+    assert f"--spec-draft-n-max {served['k']}" in (out / "README.md").read_text()
