@@ -192,3 +192,34 @@ def chi_square_pvalue(counts: torch.Tensor, exact: torch.Tensor) -> float:
     obs = torch.cat([observed[~small], observed[small].sum()[None]])
     exp = torch.cat([expected[~small], expected[small].sum()[None]])
     return float(chi2.sf(float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1.5 MB tmpfs (root only): a real full disk, torch's own error included."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root; the monkeypatched full-disk tests cover the same write paths")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.fixture
+def fake(tiny_target_dir):
+    """fake(**settings) -> a started in-thread FakeServer (tests/fake_openai.py) on the tiny target; all stopped at
+    teardown."""
+    from fake_openai import FakeServer, FakeSettings
+
+    started = []
+
+    def start(**settings):
+        started.append(FakeServer(tiny_target_dir, FakeSettings(**settings)).start())
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

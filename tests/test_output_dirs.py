@@ -283,18 +283,6 @@ def fill(disk: Path) -> None:
             assert err.errno == errno.ENOSPC
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 1 MB tmpfs (root only): a real full disk."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1024k", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root; the monkeypatched test below covers the write paths")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_lock_file(tiny_target_dir, heads_dir, tiny_disk,
                                                                       tmp_path, capsys):
     """Self-distillation and export on a full disk: exit 2 with one line naming it; no empty lock file, nothing

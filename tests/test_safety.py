@@ -202,18 +202,6 @@ def test_full_disk_at_the_final_save_keeps_the_heads(tiny_target_dir, sd_dir, tm
         shutil.rmtree(spare, ignore_errors=True)
 
 
-@pytest.fixture
-def tiny_disk(tmp_path):
-    """A 1.5 MB tmpfs (root only): a real full disk, torch's own error included."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(disk)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root; the monkeypatched tests above cover the same paths")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
 def test_full_tmpfs_while_checkpointing_is_named(tiny_target_dir, sd_dir, tiny_disk):
     from train.cli import CheckpointError
 

@@ -24,20 +24,6 @@ from train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistill
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def fake(tiny_target_dir):
-    """fake(**settings) -> a started in-thread FakeServer on the tiny target; all stopped at teardown."""
-    started = []
-
-    def start(**settings):
-        started.append(FakeServer(tiny_target_dir, FakeSettings(**settings)).start())
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_target_dir, tmp_path_factory):
     """hf rows for 12 two-turn prompts, unpadded (batch_size 1: each prompt computed as a server computes it)."""

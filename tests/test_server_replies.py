@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from fake_openai import FakeServer, FakeSettings
 from heads.target import load_target
 from test_safety import assert_one_line_error, cli
 from test_selfdistill import tiny_cfg, write_prompts
@@ -27,20 +26,6 @@ MALFORMED = {
     "negative_token_ids": ("token id -1, outside the target's vocabulary", "serve the target's own model directory"),
     "aborted": ("finish_reason 'abort'", "restart it"),
 }
-
-
-@pytest.fixture
-def fake(tiny_target_dir):
-    """fake(**settings) -> a started in-thread FakeServer on the tiny target; all stopped at teardown."""
-    started = []
-
-    def start(**settings):
-        started.append(FakeServer(tiny_target_dir, FakeSettings(**settings)).start())
-        return started[-1]
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
