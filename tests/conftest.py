@@ -120,7 +120,7 @@ def launch():
     """Start training scripts in subprocesses (e.g. `accelerate launch --num_processes 2`) that cannot hang a test.
 
         proc = launch.start([sys.executable, "-m", "accelerate.commands.launch", ...], env=env, cwd=tmp_path)
-        output = launch.wait(proc, timeout=240)     # fails the test with the output if rc != 0 or on timeout
+        output = launch.wait(proc, timeout=1800)     # fails the test with the output if rc != 0 or on timeout
 
     Every launched script gets HEADSTART_WATCHDOG_S (train/loop.py: a process still running then prints all its
     threads' Python stacks and exits), set below the timeout; on timeout the launcher and every process under it
@@ -143,13 +143,13 @@ def launch():
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
 
-    def start(cmd, env, cwd, watchdog_s: float = 200):
+    def start(cmd, env, cwd, watchdog_s: float = 1500):
         proc = subprocess.Popen([str(c) for c in cmd], env={**env, "HEADSTART_WATCHDOG_S": str(watchdog_s)}, cwd=cwd,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         started.append(proc)
         return proc
 
-    def wait(proc, timeout: float = 240) -> str:
+    def wait(proc, timeout: float = 1800) -> str:
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -138,7 +138,7 @@ def test_a_trainer_from_the_repository_root_with_output_dir_dot_exits_2(tiny_tar
     before = tree_of(root)
     proc = subprocess.run([sys.executable, str(REPO / "train" / "medusa.py"),
                            *base_args(tiny_target_dir, sd_dir, ".", "--max_steps", "1")],
-                          cwd=root, env=ENV, capture_output=True, text=True, timeout=300)
+                          cwd=root, env=ENV, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "heads" in last and "not a headstart train:medusa run" in last, last
@@ -292,7 +292,7 @@ def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_lock_file(tiny_targe
     proc = subprocess.run([sys.executable, str(REPO / "train" / "selfdistill.py"), "--target", str(tiny_target_dir),
                            "--prompts", prompts, "--output_dir", str(tiny_disk / "sd"), "--max_turns", "1",
                            "--max_new_tokens", "4", "--device", "cpu"],
-                          env=ENV, capture_output=True, text=True, timeout=300)
+                          env=ENV, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "no space left on device" in proc.stderr.strip().splitlines()[-1]
     assert sorted(p.name for p in (tiny_disk / "sd").iterdir()) == []

@@ -37,7 +37,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.e
 
 def cli(*args, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd or REPO, env=ENV, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=1800)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:

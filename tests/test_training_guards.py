@@ -31,7 +31,7 @@ def medusa_sd(tiny_target_dir, tmp_path_factory):
 def run_script(script: str, *args) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=1800)
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
