@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from heads.output_dir import OutputDirError, RunKind, claim_output_dir  # noqa: E402
+from heads.served_speed import choose_draft_length, served_record, served_summary  # noqa: E402
 from train.config import ConfigError, parse_config  # noqa: E402
 
 # what the demo writes in its output_dir: each stage in a folder of its own (each stage's script claims its folder),
@@ -197,6 +198,7 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
     if len(runs_so_far) > 1:
         lines.append(f"Benchmark runs so far (best lossless speedup): {', '.join(f'{x:.2f}x' for x in runs_so_far)}; "
                      f"median {statistics.median(runs_so_far):.2f}x.")
+    lines += ["", *in_engines(cfg, heads_metrics)]
     lines += ["", "| stage | minutes | CPU minutes |", "|---|---:|---:|"]
     for name, st in stages.items():
         lines.append(f"| {name} | reused | - |" if st.get("reused") else
@@ -210,6 +212,22 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
               "--prompt \"Write a haiku about tea\"`",
               f"- the full report and plot: {cfg.output_dir}/bench/results.md, {cfg.output_dir}/bench/speedup.png"]
     return "\n".join(lines) + "\n"
+
+
+def in_engines(cfg: DemoConfig, heads_metrics: dict) -> list[str]:
+    """What these heads would give where users serve: vLLM's chain length and predicted speedup (heads/served_speed.py:
+    measured in the heads' engines.json when the engine check wrote one, else the engine's documented prior), with
+    the export command; llama.cpp has no Medusa loader."""
+    heads_dir = Path(cfg.output_dir) / "medusa" / "heads"
+    k_max = len(heads_metrics["top1"])
+    vllm = served_record(choose_draft_length(heads_metrics, "medusa", "vllm", heads_dir, range(1, k_max + 1)),
+                         "export", fallback_k=k_max)
+    return ["In an engine (batch 1, a fixed chain; no lookup, no tree):",
+            f"- vLLM: {served_summary(vllm)}. Export: `python -m heads.export {heads_dir} {cfg.output_dir}/vllm "
+            "--format vllm` (its card gives the command); measure it with scripts/vllm_check.py (docs/serving.md).",
+            "- llama.cpp: it loads EAGLE-3 and DFlash drafts, not Medusa heads: train EAGLE-3 "
+            "(recipes/smollm2-135m/eagle3.yaml) and export it with `--format llamacpp` (docs/serving.md, "
+            "\"llama.cpp (GGUF)\")."]
 
 
 def main(argv: list[str] | None = None) -> None:

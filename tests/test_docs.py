@@ -140,6 +140,8 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         if (recipe_field(args, "draft_vocab_size") or 0) > 64:
             extra += ["--draft_vocab_size", "64"]  # the tiny target's vocabulary is 320 tokens
         return args + extra
+    if module == "heads.export" and last_value(args, "--format") == "llamacpp":  # the docs target's own GGUF
+        return [*args, "--target_gguf", str(docs_target_gguf(target))] if target else args
     if module == "inference.generate":
         return args + ["--max_new_tokens", "8"]
     if module == "inference.bench":
@@ -158,6 +160,18 @@ def reduce_args(module: str, args: list[str], target: str) -> list[str]:
         return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_per_category", "1",
                        "--max_new_tokens", "8", "--train_args=" + shlex.join(train[train.index("--max_steps"):])]
     return args
+
+
+def docs_target_gguf(target: str) -> Path:
+    """A GGUF of the docs target (its graph, sizes and a tokenizer; what a llama.cpp export reads), written once."""
+    from test_export_gguf import target_gguf
+    from transformers import AutoConfig
+
+    path = Path(target) / "target.gguf"
+    if not path.is_file():
+        config = AutoConfig.from_pretrained(target)
+        target_gguf(path, layers=config.num_hidden_layers, vocab=config.vocab_size)
+    return path
 
 
 def script_and_args(command: str) -> tuple[str, list[str]]:
@@ -238,6 +252,10 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
         assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
         assert "Speedup by task family:" in printed and "| writing |" in printed
+        assert "In an engine" in printed and "- vLLM: " in printed and "--format vllm" in printed
+    elif module == "heads.export" and last_value(args, "--format") == "llamacpp":
+        out = Path(args[1])
+        assert (out / "draft.gguf").is_file() and (out / "README.md").is_file() and "llama-server -m" in printed
     elif module == "heads.export":
         out = Path(args[1])
         assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
