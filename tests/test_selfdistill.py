@@ -230,3 +230,17 @@ def test_a_run_with_no_conversation_is_an_error_not_an_empty_dataset(tiny_target
     with pytest.raises(DataError, match=r"no conversation came out of 3 prompts .*prompt_too_long"):
         run_selfdistill(cfg)
     assert not (tmp_path / "out" / "dataset").exists() and not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("max_new_tokens", 0), ("max_length", 0), ("max_retries", 0),
+                                         ("temperature", -0.5), ("temperature", float("nan")), ("top_p", 0.0),
+                                         ("top_p", 1.5), ("request_timeout_s", 0.0), ("gpu_memory_utilization", 2.0)])
+def test_bad_generation_flags_are_refused_before_anything_runs(tmp_path, flag, value):
+    """Self-distillation's numbers are checked like the trainers' (train/config.py check_number): one line naming the
+    flag, nothing written."""
+    from train.selfdistill import check_selfdistill_config
+
+    cfg = tiny_cfg("unused", "", tmp_path / "out", **{flag: value})
+    with pytest.raises(ConfigError, match=rf"^{flag} must be a number .*pass another --{flag}$"):
+        check_selfdistill_config(cfg)
+    assert not (tmp_path / "out").exists()

@@ -47,7 +47,7 @@ from heads.chat import render_chat, stop_token_ids
 from heads.output_dir import RunKind, claim_output_dir, disk_full_is_one_line, honour_umask, write_file
 from heads.prompts import PromptRow, load_prompts
 from heads.target import load_target, load_target_without_model
-from train.config import ConfigError, parse_config
+from train.config import ConfigError, check_number, parse_config
 from train.data import DataError
 from train.engines import BACKENDS, engine_gpus, make_engine, request_seed
 
@@ -255,9 +255,14 @@ def check_selfdistill_config(cfg: SelfDistillConfig) -> None:
         raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
     if cfg.num_prompts is not None and cfg.num_prompts < 1:
         raise ConfigError(f"--num_prompts must be at least 1 (or left out for every row), got {cfg.num_prompts}")
-    for name in ("max_turns", "max_new_tokens", "batch_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("max_turns", "max_new_tokens", "max_length", "batch_size", "prompts_per_call", "hf_rows",
+                 "tensor_parallel_size", "max_in_flight", "max_retries"):
+        check_number(cfg, name, 1)
+    check_number(cfg, "temperature", 0)
+    check_number(cfg, "top_p", 0, above=True, high=1)
+    check_number(cfg, "hf_cache_gib", 0, above=True)
+    check_number(cfg, "gpu_memory_utilization", 0, above=True, high=1)
+    check_number(cfg, "request_timeout_s", 0, above=True)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output_dir {out} is a file, not a directory: pass another --output_dir")
