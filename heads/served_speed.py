@@ -11,7 +11,7 @@ k + 1 tokens, plus the draft's own forwards: EAGLE one per depth, DFlash one per
 over the time of one plain one-token step of the same engine.
 
 step_cost comes from the engine's measured curve in the heads directory's `engines.json` (written by the engine
-check; `read_engines` checks every number) when it holds records for that engine, else from the engine's documented
+checks with `record_engine_run`; `read_engines` checks every number) when it holds records for that engine, else from the engine's documented
 prior (PRIORS; the derivation, with the figures and their source, is docs/serving.md "Choosing the draft length per
 engine"). The chosen k is the one with the highest predicted speedup; when none reaches PAYS_AT the answer is to serve
 without a draft (k None).
@@ -127,41 +127,74 @@ def read_engines(heads_dir: str | Path | None) -> list[EngineRecord]:
     if heads_dir is None:
         return []
     file = Path(heads_dir) / ENGINES_FILE
+    return [_record(entry, file, f"[{i}]", FIX) for i, entry in enumerate(_raw_records(file, FIX))]
+
+
+def record_engine_run(heads_dir: str | Path, record: dict) -> list[EngineRecord]:
+    """Add one engine-check measurement to heads_dir/engines.json and return the file's records as `read_engines`
+    reads them. `record` is a dict of the schema `read_engines` reads ({"engine": "vllm", "version": "0.32.0",
+    "k": 3, "acceptance": 1.17, "tokens_per_s_with": 12.5, "tokens_per_s_without": 13.7, "step_cost": {"3": 1.28}};
+    other keys, e.g. the prompts measured, are kept) and is checked by the same checks first: a NaN, infinite, zero
+    or out-of-range figure is refused with a HeadsLoadError naming the field, and nothing is written. The file's
+    earlier records are kept as they are, except one of the same engine, version and k, which the new record
+    replaces; an existing file that does not read is left as it is (HeadsLoadError). Written atomically
+    (heads.output_dir.write_file: a new file renamed over the old one)."""
+    from heads.output_dir import write_file
+
+    file = Path(heads_dir) / ENGINES_FILE
+    fix = "the engine check measured no usable figure: nothing was written; check the engine's log and rerun it"
+    new = _record(record, file, "the new record", fix)
+    keep_fix = "it is left as it is: delete it (or correct the field) and rerun the engine check"
+    kept = []  # the earlier records, as the file holds them, but one this measurement replaces
+    for i, entry in enumerate(_raw_records(file, keep_fix)):
+        old = _record(entry, file, f"[{i}]", keep_fix)
+        if (old.engine, old.version, old.k) != (new.engine, new.version, new.k):
+            kept.append(entry)
+    if len(kept) >= MAX_RECORDS:
+        raise HeadsLoadError(f"{file} holds {len(kept)} records, the most it takes is {MAX_RECORDS}: move it aside "
+                             "and rerun the engine check")
+    entries = [*kept, record]
+    write_file(file, json.dumps(entries, indent=1, allow_nan=False) + "\n")
+    return [_record(entry, file, f"[{i}]", FIX) for i, entry in enumerate(entries)]
+
+
+def _raw_records(file: Path, fix: str) -> list:
+    """engines.json's list of records as JSON gives it ([] when the file is absent); HeadsLoadError when it is not a
+    JSON list of at most MAX_RECORDS entries."""
     if not file.is_file():
         return []
     try:
         raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HeadsLoadError(f"{file} is not valid JSON ({err}); {FIX}") from err
-    checked(raw, list, file, "the top level", fix=FIX)
+        raise HeadsLoadError(f"{file} is not valid JSON ({err}); {fix}") from err
+    checked(raw, list, file, "the top level", fix=fix)
     if len(raw) > MAX_RECORDS:
-        raise HeadsLoadError(f"{file} holds {len(raw)} records, more than {MAX_RECORDS}; {FIX}")
-    return [_record(entry, file, i) for i, entry in enumerate(raw)]
+        raise HeadsLoadError(f"{file} holds {len(raw)} records, more than {MAX_RECORDS}; {fix}")
+    return raw
 
 
-def _record(entry, file: Path, i: int) -> EngineRecord:
-    where = f"[{i}]"
-    checked(entry, dict, file, where, fix=FIX)
+def _record(entry, file: Path, where: str, fix: str) -> EngineRecord:
+    checked(entry, dict, file, where, fix=fix)
     for name in ("engine", "version", "k", "acceptance", "tokens_per_s_with", "tokens_per_s_without"):
         if name not in entry:
-            raise HeadsLoadError(f"{file}: {where} has no {name!r}; {FIX}")
-    engine = checked(entry["engine"], str, file, f"{where}.engine", fix=FIX)
+            raise HeadsLoadError(f"{file}: {where} has no {name!r}; {fix}")
+    engine = checked(entry["engine"], str, file, f"{where}.engine", fix=fix)
     if engine not in ENGINE_NAMES:
-        raise HeadsLoadError(f"{file}: {where}.engine is {engine!r:.40}, not one of {', '.join(ENGINE_NAMES)}; {FIX}")
-    version = checked(entry["version"], str, file, f"{where}.version", fix=FIX)
+        raise HeadsLoadError(f"{file}: {where}.engine is {engine!r:.40}, not one of {', '.join(ENGINE_NAMES)}; {fix}")
+    version = checked(entry["version"], str, file, f"{where}.version", fix=fix)
     if len(version) > 200:
-        raise HeadsLoadError(f"{file}: {where}.version is {len(version)} characters long, more than 200; {FIX}")
-    k = checked(entry["k"], int, file, f"{where}.k", 1, MAX_DEPTH, FIX)
-    acceptance = checked(entry["acceptance"], float, file, f"{where}.acceptance", 1.0, k + 1.0, FIX)
-    speeds = [checked(entry[name], float, file, f"{where}.{name}", 1e-6, MAX_TOKENS_PER_S, FIX)
+        raise HeadsLoadError(f"{file}: {where}.version is {len(version)} characters long, more than 200; {fix}")
+    k = checked(entry["k"], int, file, f"{where}.k", 1, MAX_DEPTH, fix)
+    acceptance = checked(entry["acceptance"], float, file, f"{where}.acceptance", 1.0, k + 1.0, fix)
+    speeds = [checked(entry[name], float, file, f"{where}.{name}", 1e-6, MAX_TOKENS_PER_S, fix)
               for name in ("tokens_per_s_with", "tokens_per_s_without")]
     costs = {}
-    step_cost = checked(entry.get("step_cost", {}), dict, file, f"{where}.step_cost", fix=FIX)
+    step_cost = checked(entry.get("step_cost", {}), dict, file, f"{where}.step_cost", fix=fix)
     for key, ratio in step_cost.items():
         if not (isinstance(key, str) and key.isdigit() and 1 <= int(key) <= MAX_DEPTH):
             raise HeadsLoadError(f"{file}: {where}.step_cost has key {key!r:.40}, not a chain length 1..{MAX_DEPTH}; "
-                                 f"{FIX}")
-        costs[int(key)] = checked(ratio, float, file, f"{where}.step_cost.{key}", *STEP_COST_RANGE, FIX)
+                                 f"{fix}")
+        costs[int(key)] = checked(ratio, float, file, f"{where}.step_cost.{key}", *STEP_COST_RANGE, fix)
     return EngineRecord(engine, version, k, acceptance, speeds[0], speeds[1], costs)
 
 

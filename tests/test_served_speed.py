@@ -10,8 +10,8 @@ import pytest
 
 from heads.directory import HeadsLoadError
 from heads.export import export_heads, main
-from heads.served_speed import (PAYS_AT, PRIORS, choose_draft_length, expected_acceptance, predict_at,
-                                read_engines)
+from heads.served_speed import (PAYS_AT, PRIORS, EngineRecord, choose_draft_length, expected_acceptance, predict_at,
+                                read_engines, record_engine_run)
 from test_bad_files import commands
 from test_export import dflash_dir, eagle_dir, make_target, medusa_dir
 
@@ -144,6 +144,52 @@ def test_an_export_refuses_a_malformed_engines_json_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "[0].tokens_per_s_with must be a finite number" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_record_engine_run_round_trips_and_replaces_the_same_engine_version_and_k(tmp_path):
+    first = record(k=3, acceptance=1.17, with_=12.5, without=13.7, step_cost={"3": 1.2824}, num_prompts=8)
+    assert record_engine_run(tmp_path, first) == [EngineRecord("vllm", "0.32.0", 3, 1.17, 12.5, 13.7, {3: 1.2824})]
+    assert read_engines(tmp_path) == [EngineRecord("vllm", "0.32.0", 3, 1.17, 12.5, 13.7, {3: 1.2824})]
+    record_engine_run(tmp_path, record(k=2, acceptance=1.5))  # another k: kept beside it
+    record_engine_run(tmp_path, record(engine="llamacpp", k=3))  # another engine
+    record_engine_run(tmp_path, {**record(k=3), "version": "0.33.0"})  # another version
+    records = record_engine_run(tmp_path, record(k=3, acceptance=1.3, with_=14.0, without=13.0))  # replaces the first
+    assert [(r.engine, r.version, r.k, r.acceptance) for r in records] == [
+        ("vllm", "0.32.0", 2, 1.5), ("llamacpp", "0.32.0", 3, 2.0), ("vllm", "0.33.0", 3, 2.0), ("vllm", "0.32.0", 3, 1.3)]
+    assert read_engines(tmp_path) == records
+    raw = json.loads((tmp_path / "engines.json").read_text())
+    assert raw[-1] == record(k=3, acceptance=1.3, with_=14.0, without=13.0)  # written as given
+    first_kept = {**record(k=2, acceptance=1.5), "note": "kept"}  # other keys of earlier records are kept
+    (tmp_path / "engines.json").write_text(json.dumps([first_kept]))
+    record_engine_run(tmp_path, record(k=4, acceptance=2.5))
+    assert json.loads((tmp_path / "engines.json").read_text())[0] == first_kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engines.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("bad,field", [
+    (record(acceptance=float("nan")), "the new record.acceptance must be a finite number"),
+    (record(with_=0.0), "the new record.tokens_per_s_with is 0.0, outside"),
+    (record(without=float("inf")), "the new record.tokens_per_s_without must be a finite number"),
+    (record(k=3, acceptance=0.0), "the new record.acceptance is 0.0, outside 1.0..4.0"),
+    (record(step_cost={"3": float("nan")}), "the new record.step_cost.3 must be a finite number"),
+    ({"engine": "vllm", "version": "0.32.0", "k": 3}, "the new record has no 'acceptance'"),
+])
+def test_record_engine_run_refuses_a_nan_or_zero_token_record_in_one_line(tmp_path, bad, field):
+    before = json.dumps([record(k=2)])
+    (tmp_path / "engines.json").write_text(before)
+    with pytest.raises(HeadsLoadError) as err:
+        record_engine_run(tmp_path, bad)
+    message = str(err.value)
+    assert field in message and "nothing was written" in message and "\n" not in message
+    assert (tmp_path / "engines.json").read_text() == before  # untouched
+
+
+def test_record_engine_run_leaves_an_unreadable_engines_json_as_it_is(tmp_path):
+    for content in ("[{", json.dumps([record(acceptance=float("nan"))])):
+        (tmp_path / "engines.json").write_text(content)
+        with pytest.raises(HeadsLoadError, match="it is left as it is: delete it"):
+            record_engine_run(tmp_path, record())
+        assert (tmp_path / "engines.json").read_text() == content
 
 
 # ------------------------------------------------------------------------------------------------- the export
