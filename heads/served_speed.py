@@ -11,10 +11,10 @@ k + 1 tokens, plus the draft's own forwards: EAGLE one per depth, DFlash one per
 over the time of one plain one-token step of the same engine.
 
 step_cost comes from the engine's measured curve in the heads directory's `engines.json` (written by the engine
-checks with `record_engine_run`; `read_engines` checks every number) when it holds records for that engine, else from the engine's documented
-prior (PRIORS; the derivation, with the figures and their source, is docs/serving.md "Choosing the draft length per
-engine"). The chosen k is the one with the highest predicted speedup; when none reaches PAYS_AT the answer is to serve
-without a draft (k None).
+checks with `record_engine_run`; `read_engines` checks every number) when it holds records for that engine, else
+from the engine's documented prior (PRIORS; the derivation, with the figures and their source, is docs/serving.md
+"Choosing the draft length per engine"). The chosen k is the one with the highest predicted speedup; when none
+reaches PAYS_AT the answer is to serve without a draft (k None).
 
     from heads.served_speed import choose_draft_length
     choice = choose_draft_length(read_metrics(heads_dir), "eagle3", "vllm", heads_dir)

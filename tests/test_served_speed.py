@@ -10,8 +10,8 @@ import pytest
 
 from heads.directory import HeadsLoadError
 from heads.export import export_heads, main
-from heads.served_speed import (PAYS_AT, PRIORS, EngineRecord, choose_draft_length, expected_acceptance, predict_at,
-                                read_engines, record_engine_run)
+from heads.served_speed import (PAYS_AT, PRIORS, EngineRecord, choose_draft_length, expected_acceptance,
+                                predict_at, read_engines, record_engine_run)
 from test_bad_files import commands
 from test_export import dflash_dir, eagle_dir, make_target, medusa_dir
 
@@ -155,7 +155,8 @@ def test_record_engine_run_round_trips_and_replaces_the_same_engine_version_and_
     record_engine_run(tmp_path, {**record(k=3), "version": "0.33.0"})  # another version
     records = record_engine_run(tmp_path, record(k=3, acceptance=1.3, with_=14.0, without=13.0))  # replaces the first
     assert [(r.engine, r.version, r.k, r.acceptance) for r in records] == [
-        ("vllm", "0.32.0", 2, 1.5), ("llamacpp", "0.32.0", 3, 2.0), ("vllm", "0.33.0", 3, 2.0), ("vllm", "0.32.0", 3, 1.3)]
+        ("vllm", "0.32.0", 2, 1.5), ("llamacpp", "0.32.0", 3, 2.0), ("vllm", "0.33.0", 3, 2.0),
+        ("vllm", "0.32.0", 3, 1.3)]
     assert read_engines(tmp_path) == records
     raw = json.loads((tmp_path / "engines.json").read_text())
     assert raw[-1] == record(k=3, acceptance=1.3, with_=14.0, without=13.0)  # written as given
