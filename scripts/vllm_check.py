@@ -11,14 +11,32 @@ environment"), so this script has two modes:
     # EAGLE-1's fc bias folded into the draft embedding (vLLM's fc has none): the error in fp32 and bf16
     python scripts/vllm_check.py fold-error --heads runs/eagle1/heads --num_prompts 8
 
+    # served speed: export each heads dir, then batch-1 tokens/s in vLLM with and without the draft (both engines in
+    # one vLLM process, prompts alternated between them, fastest of --rounds), outputs compared, vLLM's mean
+    # acceptance length against headstart's prediction; the figures go to the heads dir's engines.json
+    python scripts/vllm_check.py speed --heads runs/eagle3/heads --vllm_python /tmp/vllm-venv/bin/python \
+        --num_prompts 8 --max_new_tokens 96 --rounds 2 --output runs/vllm-speed
+
     # one vLLM run (in the vLLM venv; imports only vllm and the standard library)
     python scripts/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
         [--draft DIR --method eagle3 --k 3 [--no_weights_track] [--per_layer_k_norm]]
+    # the speed mode's vLLM side (in the vLLM venv): both engines, interleaved, --rounds rounds
+    python scripts/vllm_check.py speed-run --target DIR --prompts prompts.json --max_new_tokens 96 --out run.json \
+        --draft DIR --method eagle3 --k 3 --rounds 2
 
 Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens
 written after the prefill / target forwards in the decode phase (bonus token included; GenerateStats.tau over all
 prompts), with lookup off and a chain tree of depth k. Both fp32,
 greedy. `compare` writes results.json and results.md under --output.
+
+`speed`: each prompt is generated alone (batch 1) by the engine without the draft and the engine with it back to back,
+the engine that goes first alternating from prompt to prompt, so both see the same machine load; a round is every
+prompt once; an engine's tokens/s is its fastest round's generated tokens over that round's generation time. vLLM's
+mean acceptance length is read from its spec-decode counters over the timed rounds only (a warm-up generation of
+each engine comes before). A figure that would come from zero tokens, a zero time or no drafts is not reported: the
+heads' row says why and engines.json is not touched. `speed` writes speed.json under --output and adds one record
+per heads dir to its engines.json (heads/served_speed.py `record_engine_run`), which later exports of those heads
+read as the measured curve.
 
 DFlash drafts run with k = block_size - 1 (the block they were trained on). vLLM 0.32's CPU build normalises every DFlash layer's context keys with layer 0's k_norm
 (its rms_norm kernel reads one weight row); for a draft whose layers differ, `--per_layer_k_norm` replaces that one
@@ -30,15 +48,41 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import math
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("without", "with")  # the speed mode's two engines: the target alone, the target with the draft
 
 
 # ------------------------------------------------------------------------------------------- vLLM side (its venv)
+
+
+def engine_kwargs(args: argparse.Namespace, draft: bool, kv_cache_bytes: int | None = None) -> dict:
+    """vLLM's LLM(...) arguments: the target in fp32, eager, seeded; with `draft`, the export as a chain of args.k;
+    `kv_cache_bytes` fixes the KV cache's size (two engines in one process: not a share of the memory each)."""
+    kwargs = dict(model=args.target, dtype="float32", gpu_memory_utilization=0.3, disable_log_stats=False,
+                  max_model_len=args.max_model_len, seed=0, enforce_eager=True)
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if draft:
+        kwargs["speculative_config"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
+    if args.no_weights_track:
+        kwargs["model_loader_extra_config"] = {"enable_weights_track": False}
+    return kwargs
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's spec-decode counters so far (vllm:spec_decode_num_drafts, ..._num_accepted_tokens, ..._per_pos)."""
+    counters = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return counters
 
 
 def run_vllm(args: argparse.Namespace) -> dict:
@@ -48,14 +92,8 @@ def run_vllm(args: argparse.Namespace) -> dict:
     prompts = json.loads(Path(args.prompts).read_text())
     if args.per_layer_k_norm:
         patch_dflash_context_k_norm()
-    kwargs = dict(model=args.target, dtype="float32", gpu_memory_utilization=0.3, disable_log_stats=False,
-                  max_model_len=args.max_model_len, seed=0, enforce_eager=True)
-    if args.draft:
-        kwargs["speculative_config"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
-    if args.no_weights_track:
-        kwargs["model_loader_extra_config"] = {"enable_weights_track": False}
     start = time.perf_counter()
-    llm = LLM(**kwargs)
+    llm = LLM(**engine_kwargs(args, bool(args.draft)))
     loaded = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
@@ -63,10 +101,7 @@ def run_vllm(args: argparse.Namespace) -> dict:
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded - start, 1),
               "generate_s": round(done - loaded, 1), "draft": args.draft, "method": args.method, "k": args.k,
               "per_layer_k_norm": args.per_layer_k_norm}
-    counters = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    counters = spec_counters(llm)
     result["counters"] = counters
     drafts = counters.get("vllm:spec_decode_num_drafts")
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens")
@@ -74,6 +109,72 @@ def run_vllm(args: argparse.Namespace) -> dict:
         result["mean_acceptance_length"] = 1.0 + accepted / drafts
         result["accepted_per_pos"] = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     return result
+
+
+def interleaved_order(num_prompts: int, rounds: int) -> list[tuple[int, int, str]]:
+    """(round, prompt, engine) in the order the speed mode generates: every prompt by both engines back to back, the
+    engine that goes first alternating from one prompt to the next (over the rounds too), so neither engine always
+    runs first on a warmer or busier machine."""
+    order = []
+    for r in range(rounds):
+        for i in range(num_prompts):
+            pair = ENGINES if (r * num_prompts + i) % 2 == 0 else ENGINES[::-1]
+            order += [(r, i, engine) for engine in pair]
+    return order
+
+
+def measure_interleaved(generate: Callable[[str, int], list[int]], num_prompts: int, rounds: int,
+                        clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Run `generate(engine, prompt)` (one prompt alone; returns its generated token ids) in `interleaved_order`,
+    timing each call with `clock`. {"rounds": {engine: [{"tokens", "seconds"} per round]}, "outputs": {engine: the
+    first round's token ids per prompt}, "rounds_agree": {engine: whether every round generated those same ids}}."""
+    rounds_out = {engine: [{"tokens": 0, "seconds": 0.0} for _ in range(rounds)] for engine in ENGINES}
+    outputs = {engine: [None] * num_prompts for engine in ENGINES}
+    agree = {engine: True for engine in ENGINES}
+    for r, i, engine in interleaved_order(num_prompts, rounds):
+        start = clock()
+        tokens = list(generate(engine, i))
+        seconds = clock() - start
+        rounds_out[engine][r]["tokens"] += len(tokens)
+        rounds_out[engine][r]["seconds"] += seconds
+        if r == 0:
+            outputs[engine][i] = tokens
+        elif tokens != outputs[engine][i]:
+            agree[engine] = False
+    return {"rounds": rounds_out, "outputs": outputs, "rounds_agree": agree}
+
+
+def speed_vllm(args: argparse.Namespace) -> dict:
+    """The speed mode's vLLM side: both engines in this process (the target alone first, then with the draft), a
+    warm-up generation each, then `measure_interleaved` over --rounds; the draft engine's spec-decode counters over
+    the timed rounds."""
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(Path(args.prompts).read_text())
+    if args.per_layer_k_norm:
+        patch_dflash_context_k_norm()
+    # batch 1 within max_model_len: a KV cache of 1 GiB holds it for the targets this check runs
+    engines = {engine: LLM(**engine_kwargs(args, engine == "with", kv_cache_bytes=1 << 30)) for engine in ENGINES}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
+
+    def generate(engine: str, i: int, sampling=params) -> list[int]:
+        out = engines[engine].generate([TokensPrompt(prompt_token_ids=prompts[i])], sampling, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    warm_up = SamplingParams(temperature=0.0, max_tokens=min(8, args.max_new_tokens))
+    for engine in ENGINES:
+        generate(engine, 0, warm_up)
+    before = spec_counters(engines["with"])
+    measured = measure_interleaved(generate, len(prompts), args.rounds)
+    after = spec_counters(engines["with"])
+    spec = {}
+    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
+        if after.get(name) is not None:
+            spec[name.removeprefix("vllm:spec_decode_")] = after[name] - (before.get(name) or 0)
+    return {**measured, "version": vllm.__version__, "draft": args.draft, "method": args.method, "k": args.k,
+            "per_layer_k_norm": args.per_layer_k_norm, **spec}
 
 
 def patch_dflash_context_k_norm() -> None:
@@ -124,11 +225,16 @@ def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_to
 
 def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, max_new_tokens: int,
              draft: str | None = None, method: str | None = None, k: int = 0, no_weights_track: bool = False,
-             per_layer_k_norm: bool = False, timeout_s: int = 1800) -> dict:
-    cmd = [python, str(Path(__file__).resolve()), "run", "--target", target_dir, "--prompts", str(prompts_file),
+             per_layer_k_norm: bool = False, timeout_s: int = 1800, rounds: int | None = None) -> dict:
+    """One `run` of vLLM through its venv's python (`speed-run`, both engines interleaved, when `rounds` is given);
+    its JSON result, or {"error": the exit status and the log's tail}."""
+    mode = "run" if rounds is None else "speed-run"
+    cmd = [python, str(Path(__file__).resolve()), mode, "--target", target_dir, "--prompts", str(prompts_file),
            "--max_new_tokens", str(max_new_tokens), "--out", str(out_file)]
     if draft:
         cmd += ["--draft", draft, "--method", method, "--k", str(k)]
+    if rounds is not None:
+        cmd += ["--rounds", str(rounds)]
     if no_weights_track:
         cmd.append("--no_weights_track")
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
@@ -219,6 +325,122 @@ def compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def fastest_tokens_per_s(rounds: list[dict], engine: str) -> float:
+    """The tokens/s of an engine's fastest round (its tokens over its generation seconds). EngineError when a round
+    generated no tokens or its time is not a positive finite number: no figure comes from such a round."""
+    from train.engines import EngineError
+
+    if not rounds:
+        raise EngineError(f"vLLM {engine} the draft ran no timed round: pass --rounds 1 or more")
+    for r, figures in enumerate(rounds):
+        tokens, seconds = figures.get("tokens"), figures.get("seconds")
+        if not (isinstance(tokens, int) and tokens > 0):
+            raise EngineError(f"vLLM {engine} the draft generated {tokens} tokens in round {r + 1}: no speed is "
+                              "computed from it; check the prompts and --max_new_tokens, and vLLM's log")
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
+            raise EngineError(f"vLLM {engine} the draft took {seconds} s in round {r + 1}: no speed is computed from "
+                              "it; rerun the check")
+    return max(figures["tokens"] / figures["seconds"] for figures in rounds)
+
+
+def speed_record(run: dict, k: int) -> dict:
+    """engines.json's record (heads/served_speed.py `read_engines`) from a `speed-run` result: tokens/s with and
+    without the draft (fastest round each), vLLM's mean acceptance length over the timed rounds (1 + accepted /
+    drafts) and the step cost it implies at k (acceptance x tokens/s without / tokens/s with, a step with the draft
+    over a plain step). EngineError when a figure would come from zero tokens, a zero time or no drafts."""
+    from train.engines import EngineError
+
+    with_, without = (fastest_tokens_per_s(run["rounds"][engine], engine) for engine in ("with", "without"))
+    drafts, accepted = run.get("num_drafts"), run.get("num_accepted_tokens")
+    if not (isinstance(drafts, (int, float)) and math.isfinite(drafts) and drafts > 0
+            and isinstance(accepted, (int, float)) and math.isfinite(accepted) and accepted >= 0):
+        raise EngineError(f"vLLM counted {drafts} drafts and {accepted} accepted tokens with the draft: no "
+                          "acceptance is computed from them; check that the export loaded as a draft in vLLM's log")
+    acceptance = 1.0 + accepted / drafts
+    return {"engine": "vllm", "version": str(run["version"]), "k": k, "acceptance": round(acceptance, 4),
+            "tokens_per_s_with": round(with_, 3), "tokens_per_s_without": round(without, 3),
+            "step_cost": {str(k): round(acceptance * without / with_, 4)}}
+
+
+def identical_outputs(run: dict) -> int:
+    """Prompts whose greedy output with the draft equals the output without it (the first round's)."""
+    return sum(a == b for a, b in zip(run["outputs"]["with"], run["outputs"]["without"]))
+
+
+def speed(args: argparse.Namespace) -> int:
+    """Export each heads dir for vLLM, measure batch-1 tokens/s with and without the draft (`speed-run` in the vLLM
+    venv), compare outputs and vLLM's acceptance with headstart's prediction, and add the record to the heads dir's
+    engines.json. 0 when every heads dir was measured, 1 otherwise (its row in speed.json says why)."""
+    from heads.directory import read_method, read_metrics
+    from heads.export import export_heads
+    from heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
+    from heads.target import embedded_local_dir, load_target
+    from train.config import check_number
+    from train.engines import EngineError
+
+    for name in ("num_prompts", "max_new_tokens", "rounds"):
+        check_number(args, name, 1)
+    if args.k is not None:
+        check_number(args, "k", 1)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = str(args.target_dir or embedded_local_dir())
+    loaded = load_target(args.target)
+    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
+    prompts_file = out / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "rounds": args.rounds, "target_dir": target_dir, "runs": []}
+    failed = 0
+    for heads_dir in args.heads:
+        method = read_method(Path(heads_dir))
+        exp = out / f"{Path(heads_dir).parent.name}-{args.format}"
+        export_heads(heads_dir, exp, args.format, target=loaded[0], num_speculative_tokens=args.k, overwrite=True)
+        info = json.loads((exp / "export.json").read_text())
+        k, served = info["num_speculative_tokens"], info["served_speed"]
+        predicted = expected_acceptance(read_metrics(Path(heads_dir)), k)
+        row = {"heads": heads_dir, "method": method, "format": args.format, "k": k,
+               "predicted_acceptance": None if predicted is None else round(predicted, 4),
+               "predicted_speedup": served["predicted_speedup"], "prediction_source": served["source"]}
+        run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"speed-{exp.name}.json",
+                       args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
+                       no_weights_track="token_map" in info["notes"],
+                       per_layer_k_norm="vllm_cpu_k_norm" in info["notes"], rounds=args.rounds)
+        try:
+            if "error" in run:
+                raise EngineError(run["error"])
+            record = speed_record(run, k)
+        except EngineError as err:
+            row["error"] = str(err)
+            failed += 1
+            print(f"error: {row['heads']}: {str(err).splitlines()[0]}", file=sys.stderr)
+        else:
+            same = identical_outputs(run)
+            record.update(method=method, format=args.format, prompts=args.prompts, num_prompts=len(prompts),
+                          max_new_tokens=args.max_new_tokens, rounds=args.rounds,
+                          identical_outputs=f"{same}/{len(prompts)}")
+            record_engine_run(heads_dir, record)
+            ratio = record["tokens_per_s_with"] / record["tokens_per_s_without"]
+            row.update(record, speedup=round(ratio, 4), rounds_agree=run["rounds_agree"],
+                       engines_json=str(Path(heads_dir) / ENGINES_FILE),
+                       acceptance_vs_predicted=None if predicted is None else
+                       round((record["acceptance"] - predicted) / predicted, 4))
+            print(speed_line(row), flush=True)
+        results["runs"].append(row)
+        (out / "speed.json").write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+def speed_line(row: dict) -> str:
+    """One line on a measured heads dir: tokens/s with and without, the ratio, acceptance against the prediction."""
+    predicted = ("not predicted (no held-out metrics.json)" if row["predicted_acceptance"] is None else
+                 f"headstart predicts {row['predicted_acceptance']:.3f}, {100 * row['acceptance_vs_predicted']:+.1f}%")
+    return (f"{row['heads']} in vLLM {row['version']}, k={row['k']}: {row['tokens_per_s_with']:.1f} tok/s with the "
+            f"draft, {row['tokens_per_s_without']:.1f} without: {row['speedup']:.2f}x; mean acceptance length "
+            f"{row['acceptance']:.3f} ({predicted}); outputs {row['identical_outputs']} identical; written to "
+            f"{row['engines_json']}")
+
+
 def fold_error(args: argparse.Namespace) -> int:
     """EAGLE-1's fc bias folded into the draft embedding: the draft's outputs and top-1 guesses with the folded
     weights (bias-free fc) vs headstart's, in fp32 and bf16, on the target's real features of the prompts."""
@@ -291,6 +513,35 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
     run.add_argument("--no_weights_track", action="store_true", help="turn off vLLM's weights tracking (drafts with a token_map)")
     run.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
+    srun = sub.add_parser("speed-run", help="the speed mode's vLLM side: both engines, interleaved (in the vLLM venv)")
+    srun.add_argument("--target", required=True, help="the target as a plain HF dir")
+    srun.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
+    srun.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
+    srun.add_argument("--max_model_len", type=int, default=1024, help="vLLM's max_model_len")
+    srun.add_argument("--out", required=True, help="write the run's figures to this JSON file")
+    srun.add_argument("--draft", required=True, help="an export directory")
+    srun.add_argument("--method", required=True, help="vLLM's speculative method for --draft, e.g. eagle3")
+    srun.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
+    srun.add_argument("--rounds", type=int, default=2, help="rounds over the prompts (the fastest one counts)")
+    srun.add_argument("--no_weights_track", action="store_true",
+                      help="turn off vLLM's weights tracking (drafts with a token_map)")
+    srun.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
+    spd = sub.add_parser("speed", help="served tokens/s in vLLM with and without each export (in the headstart venv)")
+    spd.add_argument("--heads", nargs="+", required=True, help="heads directories to export and measure; each "
+                     "gets the record in its engines.json")
+    spd.add_argument("--format", default="vllm", choices=["vllm", "speculators"], help="the export format run in vLLM")
+    spd.add_argument("--target", default="smollm2-135m", help="alias, Hub id or local dir")
+    spd.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
+                     "embedded target's cached safetensors copy)")
+    spd.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python", help="the vLLM venv's python")
+    spd.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
+    spd.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
+    spd.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
+    spd.add_argument("--rounds", type=int, default=2, help="rounds over the prompts; each engine's fastest counts")
+    spd.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the export's choice, "
+                     "heads/served_speed.py)")
+    spd.add_argument("--output", default="runs/vllm-speed",
+                     help="directory for speed.json, the exports and vLLM's logs")
     cmp_ = sub.add_parser("compare", help="headstart vs vLLM on the same prompts (in the headstart venv)")
     cmp_.add_argument("--heads", nargs="+", required=True, help="heads directories to export and compare")
     cmp_.add_argument("--formats", nargs="+", default=["vllm", "speculators"], help="export formats run in vLLM")
@@ -314,12 +565,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "fold-error":
         sys.path.insert(0, str(REPO))
         return fold_error(args)
-    if args.mode == "run":
-        result = run_vllm(args)
+    if args.mode in ("run", "speed-run"):
+        result = run_vllm(args) if args.mode == "run" else speed_vllm(args)
         Path(args.out).write_text(json.dumps(result))
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
         return 0
     sys.path.insert(0, str(REPO))
+    if args.mode == "speed":
+        from train.cli import USER_ERRORS
+
+        try:
+            return speed(args)
+        except USER_ERRORS as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     return compare(args)
 
 

@@ -14,6 +14,8 @@ scripts/vllm_check.py: vLLM runs in a subprocess of that python (it spawns worke
 SmolLM2-135M target (its cached safetensors copy), 2 prompts x 24 tokens. Seeded random heads prove that each export
 loads and that greedy output with the draft equals vLLM's without it; HEADSTART_VLLM_HEADS="DIR DIR ..." (trained
 heads dirs) adds the acceptance check: vLLM's mean acceptance length within 5% of headstart's tau with the same chain.
+The speed mode (`vllm_check.py speed`) runs once on the random Medusa heads: both engines, interleaved, 2 rounds,
+its record written to engines.json (tests/test_vllm_speed.py checks its logic without vLLM).
 Each vLLM start takes 1-4 minutes on 2 CPU cores.
 """
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +94,26 @@ def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
         assert "error" not in r, r.get("error")
         assert r["identical_to_vllm_without_draft"] == "2/2", r
         assert r["vllm_counters"]["vllm:spec_decode_num_drafts"] > 0, r  # the draft ran
+
+
+def test_speed_mode_measures_both_engines_and_writes_engines_json(random_heads, tmp_path):
+    """`vllm_check.py speed`: both engines in one vLLM process, prompts alternated, fastest of 2 rounds; the record
+    lands in the heads' engines.json as read_engines reads it (random heads: the figures themselves mean nothing)."""
+    from heads.served_speed import read_engines
+
+    heads = tmp_path / "medusa" / "heads"
+    shutil.copytree(random_heads[2], heads)  # engines.json goes into this copy
+    cmd = [sys.executable, str(REPO / "scripts" / "vllm_check.py"), "speed", "--heads", str(heads),
+           "--vllm_python", PYTHON, "--num_prompts", "2", "--max_new_tokens", "16", "--rounds", "2", "--k", "3",
+           "--output", str(tmp_path / "speed")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=7200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (record,) = read_engines(heads)
+    assert (record.engine, record.k) == ("vllm", 3) and record.tokens_per_s_with > 0 and record.tokens_per_s_without > 0
+    raw = json.loads((heads / "engines.json").read_text())[0]
+    assert raw["identical_outputs"] == "2/2" and raw["rounds"] == 2
+    run = json.loads((tmp_path / "speed" / "speed-medusa-vllm.json").read_text())
+    assert run["num_drafts"] > 0 and all(len(r) == 2 for r in run["rounds"].values())
 
 
 @pytest.mark.skipif(not os.environ.get("HEADSTART_VLLM_HEADS"),
