@@ -236,8 +236,8 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     with_s = max(tokens_per_s(r) for r in rounds_draft)
     without_s = max(tokens_per_s(r) for r in rounds_base)
     drafts = after.get("spec_decode_num_drafts_total", 0.0) - before.get("spec_decode_num_drafts_total", 0.0)
-    accepted = (after.get("spec_decode_num_draft_tokens_accepted_total", 0.0)
-                - before.get("spec_decode_num_draft_tokens_accepted_total", 0.0))
+    accepted = (after.get("spec_decode_num_accepted_tokens_total", 0.0)
+                - before.get("spec_decode_num_accepted_tokens_total", 0.0))
     tau = llamacpp_tau(first_draft)
     return {"heads": heads_dir, "method": method, "k": k, "target_gguf": str(target_gguf), "export": str(exp),
             "engine": engine_key(target_gguf), "version": version, "prompts": len(prompts),
