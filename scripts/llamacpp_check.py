@@ -261,17 +261,6 @@ def engines_record(row: dict) -> dict:
             "identical": row["identical"], "threads": row["threads"], "rounds": row["rounds"]}
 
 
-def append_engines(heads_dir: str, record: dict) -> None:
-    """Append `record` to heads_dir/engines.json (its earlier records checked by read_engines and kept)."""
-    from heads.output_dir import write_file
-    from heads.served_speed import ENGINES_FILE, read_engines
-
-    file = Path(heads_dir) / ENGINES_FILE
-    read_engines(heads_dir)  # a malformed file stops here with the reason, before anything is written
-    records = json.loads(file.read_text()) if file.is_file() else []
-    write_file(file, json.dumps(records + [record], indent=1) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", nargs="+", required=True, help="EAGLE-3 / DFlash heads directories")
@@ -312,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))
         if args.write_engines:
-            append_engines(heads_dir, engines_record(row))
+            record_engine_run(heads_dir, engines_record(row))  # checked like read_engines; same engine/version/k replaced
     lines = ["| heads | target GGUF | k | identical | llama.cpp tokens/step | headstart tau | difference | "
              "tok/s with | tok/s without | speedup |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:

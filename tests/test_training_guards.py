@@ -290,7 +290,7 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 
 SCRIPTS = ["train.medusa", "train.eagle", "train.dflash", "train.selfdistill", "train.bench_selfdistill", "heads.export",
            "inference.replay", "inference.bench", "inference.forward", "inference.generate", "inference.acceptance",
-           "scripts.vllm_check", "scripts.vllm_features", "scripts.demo"]
+           "scripts.vllm_check", "scripts.vllm_features", "scripts.llamacpp_check", "scripts.demo"]
 
 
 class ParserBuilt(Exception):
