@@ -499,6 +499,17 @@ def fold_error(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_run_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
+    """The flags `speed` and `compare` share: the target, the vLLM venv and the prompts."""
+    parser.add_argument("--target", default="smollm2-135m", help="alias, Hub id or local dir")
+    parser.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
+                        "embedded target's cached safetensors copy)")
+    parser.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python", help="the vLLM venv's python")
+    parser.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
+    parser.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="tokens generated per prompt")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -530,13 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     spd.add_argument("--heads", nargs="+", required=True, help="heads directories to export and measure; each "
                      "gets the record in its engines.json")
     spd.add_argument("--format", default="vllm", choices=["vllm", "speculators"], help="the export format run in vLLM")
-    spd.add_argument("--target", default="smollm2-135m", help="alias, Hub id or local dir")
-    spd.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
-                     "embedded target's cached safetensors copy)")
-    spd.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python", help="the vLLM venv's python")
-    spd.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
-    spd.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
-    spd.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
+    add_run_args(spd, max_new_tokens=96)
     spd.add_argument("--rounds", type=int, default=2, help="rounds over the prompts; each engine's fastest counts")
     spd.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the export's choice, "
                      "heads/served_speed.py)")
@@ -545,13 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp_ = sub.add_parser("compare", help="headstart vs vLLM on the same prompts (in the headstart venv)")
     cmp_.add_argument("--heads", nargs="+", required=True, help="heads directories to export and compare")
     cmp_.add_argument("--formats", nargs="+", default=["vllm", "speculators"], help="export formats run in vLLM")
-    cmp_.add_argument("--target", default="smollm2-135m", help="alias, Hub id or local dir")
-    cmp_.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
-                      "embedded target's cached safetensors copy)")
-    cmp_.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python", help="the vLLM venv's python")
-    cmp_.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
-    cmp_.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
-    cmp_.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt")
+    add_run_args(cmp_, max_new_tokens=64)
     cmp_.add_argument("--k", type=int, default=3, help="chain depth: vLLM's num_speculative_tokens")
     cmp_.add_argument("--reuse", action="store_true", help="reuse the vLLM run without a draft if present")
     cmp_.add_argument("--output", default="runs/vllm-check", help="directory for results.json and results.md")
