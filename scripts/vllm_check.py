@@ -254,15 +254,8 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
 def compare(args: argparse.Namespace) -> int:
     from heads.directory import read_method
     from heads.export import export_heads
-    from heads.target import embedded_local_dir, load_target
 
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    target_dir = str(args.target_dir or embedded_local_dir())
-    loaded = load_target(args.target)
-    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
-    prompts_file = out / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
+    out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "target_dir": target_dir, "runs": []}
     base_file = out / "vllm-base.json"
@@ -374,7 +367,6 @@ def speed(args: argparse.Namespace) -> int:
     from heads.directory import read_method, read_metrics
     from heads.export import export_heads
     from heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
-    from heads.target import embedded_local_dir, load_target
     from train.config import check_number
     from train.engines import EngineError
 
@@ -382,13 +374,7 @@ def speed(args: argparse.Namespace) -> int:
         check_number(args, name, 1)
     if args.k is not None:
         check_number(args, "k", 1)
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    target_dir = str(args.target_dir or embedded_local_dir())
-    loaded = load_target(args.target)
-    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
-    prompts_file = out / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
+    out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "rounds": args.rounds, "target_dir": target_dir, "runs": []}
     failed = 0
@@ -497,6 +483,21 @@ def fold_error(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
+
+
+def prepare_run(args) -> tuple[Path, str, tuple, list, Path]:
+    """What `speed` and `compare` start with: the output folder, the target as a plain HF dir for vLLM, the loaded
+    target, the rendered prompts and the prompts file vLLM's side reads."""
+    from heads.target import embedded_local_dir, load_target
+
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    target_dir = str(args.target_dir or embedded_local_dir())
+    loaded = load_target(args.target)
+    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
+    prompts_file = out / "prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    return out, target_dir, loaded, prompts, prompts_file
 
 
 def add_run_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:

@@ -22,6 +22,7 @@ from heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_
                               write_file)
 from heads.target import load_target
 from test_medusa_train import base_args, heads_state, write_selfdistilled
+from test_safety import heads_dir  # noqa: F401  (a fixture: 2-head Medusa on the tiny target)
 from test_selfdistill import tiny_cfg, write_prompts
 from train.loop import train_run_kind
 from train.selfdistill import run_selfdistill
@@ -71,15 +72,6 @@ def unrelated(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def sd_dir(tiny_target_dir, tmp_path_factory):
     return write_selfdistilled(tmp_path_factory.mktemp("sd"), tiny_target_dir)
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tiny_target_dir, tmp_path_factory):
-    _, _, info = load_target(str(tiny_target_dir))
-    path = tmp_path_factory.mktemp("heads")
-    MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=2,
-                             target=info.to_dict())).save_pretrained(path)
-    return path
 
 
 # ------------------------------------------------------------------------------------- 1. nothing outside changes
