@@ -39,7 +39,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from heads.draft_vocab import DraftVocabHeads
+from headstart.heads.draft_vocab import DraftVocabHeads
 
 DEFAULT_TAPS = 5  # target layers read by default (z-lab's released drafts read five)
 
@@ -55,7 +55,7 @@ class DFlashConfig:
     feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
     layer_config: dict = field(default_factory=dict)  # Qwen3Config fields of the draft layers (the target's width)
     draft_vocab_size: int = 0  # > 0: the draft scores only these many target ids (`token_map`); 0: all of them
-    target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
+    target: dict = field(default_factory=dict)  # headstart.heads.target.TargetInfo.to_dict() of the target
 
     def __post_init__(self):
         if self.method != "dflash":

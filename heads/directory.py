@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from heads.output_dir import honour_umask
+from headstart.heads.output_dir import honour_umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -56,7 +56,7 @@ LAYER_LIMITS = {
     "num_key_value_heads": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH), "num_hidden_layers": (1, MAX_DEPTH),
     "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, 1 << 27),
 }
-# the target record's (heads.target.TargetInfo.to_dict()) integer fields
+# the target record's (headstart.heads.target.TargetInfo.to_dict()) integer fields
 TARGET_LIMITS = {"hidden_size": (1, MAX_WIDTH), "vocab_size": (1, MAX_VOCAB), "num_hidden_layers": (1, MAX_TARGET_LAYERS)}
 KINDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", dict: "a JSON object",
          list: "a JSON list"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from heads.directory import HeadsModule
+from headstart.heads.directory import HeadsModule
 
 
 def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:

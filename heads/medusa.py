@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.draft_vocab import DraftVocabHeads
+from headstart.heads.draft_vocab import DraftVocabHeads
 
 
 @dataclass
@@ -40,7 +40,7 @@ class MedusaConfig:
     num_heads: int = 4
     num_layers: int = 1  # residual blocks per head
     share_lm_head: bool = False  # use the target's frozen lm_head instead of one per head
-    target: dict = field(default_factory=dict)  # heads.target.TargetInfo.to_dict() of the (base) target
+    target: dict = field(default_factory=dict)  # headstart.heads.target.TargetInfo.to_dict() of the (base) target
     method: str = "medusa"  # "medusa" (Medusa-1, frozen target) or "medusa2" (target LoRA-tuned jointly)
     adapter: bool = False  # True: the heads need the target with the LoRA adapter in `adapter/` merged
     draft_vocab_size: int = 0  # > 0: heads score only these many target tokens (`token_map`); 0: all of them

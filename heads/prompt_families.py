@@ -25,7 +25,7 @@ import re
 import sysconfig
 from pathlib import Path
 
-from heads.prompt_rows import PromptRow, is_heldout, package_file, prompt_key
+from headstart.heads.prompt_rows import PromptRow, is_heldout, package_file, prompt_key
 
 def in_split(key: str, split: str) -> bool:
     return split in ("", "all") or (split == "heldout") == is_heldout(key)

@@ -31,8 +31,8 @@ import json
 import sysconfig
 from pathlib import Path
 
-from heads.prompt_families import EVAL_ONLY, FAMILIES, chitchat_conversations
-from heads.prompt_rows import PromptRow, PromptSource, PromptSourceError, is_heldout, package_file, prompt_key
+from headstart.heads.prompt_families import EVAL_ONLY, FAMILIES, chitchat_conversations
+from headstart.heads.prompt_rows import PromptRow, PromptSource, PromptSourceError, is_heldout, package_file, prompt_key
 
 # the broad default mix (`mix:train`, `mix:heldout`): every task family but `writing`, which stays out of training;
 # chat and passages weigh double (multi-turn chat, summaries, questions over passages and long contexts)

@@ -16,7 +16,7 @@ from the engine's documented prior (PRIORS; the derivation, with the figures and
 "Choosing the draft length per engine"). The chosen k is the one with the highest predicted speedup; when none
 reaches PAYS_AT the answer is to serve without a draft (k None).
 
-    from heads.served_speed import choose_draft_length
+    from headstart.heads.served_speed import choose_draft_length
     choice = choose_draft_length(read_metrics(heads_dir), "eagle3", "vllm", heads_dir)
     choice.k, choice.speedup, choice.source        # e.g. 3, 1.42, "prior"; or None, 0.91, "prior": serve without
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from heads.directory import MAX_DEPTH, HeadsLoadError, checked
+from headstart.heads.directory import MAX_DEPTH, HeadsLoadError, checked
 
 ENGINES_FILE = "engines.json"
 # engine keys -> the name users know. "llamacpp": a quantised target GGUF (the common case, and the costlier one for a
@@ -138,8 +138,8 @@ def record_engine_run(heads_dir: str | Path, record: dict) -> list[EngineRecord]
     or out-of-range figure is refused with a HeadsLoadError naming the field, and nothing is written. The file's
     earlier records are kept as they are, except one of the same engine, version and k, which the new record
     replaces; an existing file that does not read is left as it is (HeadsLoadError). Written atomically
-    (heads.output_dir.write_file: a new file renamed over the old one)."""
-    from heads.output_dir import write_file
+    (headstart.heads.output_dir.write_file: a new file renamed over the old one)."""
+    from headstart.heads.output_dir import write_file
 
     file = Path(heads_dir) / ENGINES_FILE
     fix = "the engine check measured no usable figure: nothing was written; check the engine's log and rerun it"

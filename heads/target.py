@@ -30,7 +30,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           PreTrainedModel, PreTrainedTokenizerBase)
 from transformers.utils import cached_file
 
-from heads.output_dir import honour_umask
+from headstart.heads.output_dir import honour_umask
 
 EMBEDDED_ALIAS = "smollm2-135m"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -256,7 +256,7 @@ def _wait_for(file: Path, timeout_s: float) -> Path:
     while not file.is_file():
         if time.monotonic() > deadline:
             raise TargetLoadError(f"waited {timeout_s:.0f} s for another process to write {file.parent}; run once in "
-                                  "a single process (python -c \"from heads.target import load_target; "
+                                  "a single process (python -c \"from headstart.heads.target import load_target; "
                                   "load_target('smollm2-135m')\") and relaunch")
         time.sleep(1.0)
     return file.parent

@@ -1,6 +1,6 @@
 """Held-out acceptance by task family: tau (tokens per target forward) of heads directories on prompts they never saw.
 
-    python -m inference.acceptance --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 4
+    python -m headstart.inference.acceptance --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 4
 
 tau counts target forwards, not seconds, so it can be measured on a busy machine: the figure that judges a training
 change (the benchmark, inference/bench.py, adds the wall clock). Each heads directory decodes the same prompts
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from heads.chat import prompt_ids
-from heads.output_dir import OutputDirError, refuse_link, write_file
-from heads.prompt_rows import pick_per_category
-from heads.prompts import PromptSourceError, load_prompts
-from inference.speculator import Speculator, SpeculatorError
+from headstart.heads.chat import prompt_ids
+from headstart.heads.output_dir import OutputDirError, refuse_link, write_file
+from headstart.heads.prompt_rows import pick_per_category
+from headstart.heads.prompts import PromptSourceError, load_prompts
+from headstart.inference.speculator import Speculator, SpeculatorError
 
 
 def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool, bar: tqdm | None = None) -> dict:

@@ -36,9 +36,9 @@ from typing import Sequence
 
 import torch
 
-from inference.lookup import ContextIndex
-from inference.ngram import NgramTable
-from inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
+from headstart.inference.lookup import ContextIndex
+from headstart.inference.ngram import NgramTable
+from headstart.inference.tree import DEFAULT_ACCURACY, Tree, greedy_paths, tree_from_parents
 
 Key = tuple
 # Target step cost by tokens verified over a one-token step, docs/measured.md (SmolLM2-135M, oneDNN

@@ -4,7 +4,7 @@ transformers' `sdpa` attention copies each key/value head num_key_value_groups t
 gets a mask and more than one query token: exactly the tree-verify forward. torch's SDPA reads grouped heads itself
 (`enable_gqa=True`). `gqa_sdpa(model, device)` switches an `sdpa` target to that path for one call: the same values
 (tests/test_infer_generate.py checks them equal) with less memory traffic, which grows with the cache.
-`inference.forward.target_forward(..., gqa=False)` runs the plain path instead (`python -m inference.forward`
+`headstart.inference.forward.target_forward(..., gqa=False)` runs the plain path instead (`python -m headstart.inference.forward`
 times both).
 
 On CUDA the fused SDPA kernels take no arbitrary mask with grouped heads, so there the switch is a no-op.

@@ -1,6 +1,6 @@
 """Benchmark: vanilla greedy vs HF prompt-lookup vs draft heads (Medusa, EAGLE), same prompts, interleaved, batch 1.
 
-    python -m inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
+    python -m headstart.inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
         [--tree auto|default|PATH|CHOICES] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
         [--adaptive on|off|both] [--target NAME_OR_PATH] [--threads N] [--rounds N]
@@ -65,22 +65,22 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from heads.chat import stop_token_ids
-from heads.directory import HeadsLoadError
-from heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir, write_file
-from heads.target import TargetLoadError, load_target
-from inference.bench_inputs import (BenchError, HeadsEntry, Prompt, common_target, encode_prompts, find_heads,
+from headstart.heads.chat import stop_token_ids
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir, write_file
+from headstart.heads.target import TargetLoadError, load_target
+from headstart.inference.bench_inputs import (BenchError, HeadsEntry, Prompt, common_target, encode_prompts, find_heads,
                                     read_prompt_rows)
-from inference.bench_methods import (ForwardMeter, Method, Run, altered_generation_fields, heads_method, hf_method,
+from headstart.inference.bench_methods import (ForwardMeter, Method, Run, altered_generation_fields, heads_method, hf_method,
                                      plain_generation_config, speculator_for)
-from inference.bench_near_tie import near_tie
-from inference.bench_plot import plot
-from inference.bench_report import markdown
-from inference.bench_summary import ratio, summarise_all, tokens_per_s
-from inference.cpu_linear import linear_kernel
-from inference.decode import SpeculatorError
-from inference.forward import rows_invariant
-from inference.speculator import Speculator
+from headstart.inference.bench_near_tie import near_tie
+from headstart.inference.bench_plot import plot
+from headstart.inference.bench_report import markdown
+from headstart.inference.bench_summary import ratio, summarise_all, tokens_per_s
+from headstart.inference.cpu_linear import linear_kernel
+from headstart.inference.decode import SpeculatorError
+from headstart.inference.forward import rows_invariant
+from headstart.inference.speculator import Speculator
 
 SCHEMA_VERSION = 1
 WARMUP_TOKENS = 32  # the warm-up round decodes at most this many tokens per method
@@ -97,7 +97,7 @@ def _device(name: str) -> torch.device:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headstart.inference.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", nargs="+", required=True, help="heads directories (globs ok) or Hub ids")
     parser.add_argument("--prompts", required=True, help="prompt source spec (see heads/prompts.py)")
     parser.add_argument("--num_prompts", type=int, default=20, help="the first N prompts of the source")
@@ -322,7 +322,7 @@ def write_reports(results: dict, output: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    command = "python -m inference.bench " + shlex.join(argv)
+    command = "python -m headstart.inference.bench " + shlex.join(argv)
     try:
         check_output_dir(Path(args.output), BENCH_RUN)  # refused before the benchmark runs
         results = run_bench(args, command)

@@ -11,12 +11,12 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from heads.chat import prompt_ids
-from heads.directory import CONFIG_NAME, HeadsLoadError, resolve_heads_dir
-from heads.load import load_heads
-from heads.prompt_rows import PromptRow, pick_per_category
-from heads.prompts import PromptSourceError, load_prompts
-from inference.decode import SpeculatorError, check_context
+from headstart.heads.chat import prompt_ids
+from headstart.heads.directory import CONFIG_NAME, HeadsLoadError, resolve_heads_dir
+from headstart.heads.load import load_heads
+from headstart.heads.prompt_rows import PromptRow, pick_per_category
+from headstart.heads.prompts import PromptSourceError, load_prompts
+from headstart.inference.decode import SpeculatorError, check_context
 
 RESERVED_NAMES = ("vanilla", "prompt_lookup")
 
@@ -29,7 +29,7 @@ class BenchError(ValueError):
 class HeadsEntry:
     path: Path  # the heads directory (config.json inside)
     label: str  # short unique name used in tables and the plot
-    heads: torch.nn.Module  # the loaded Medusa heads or EAGLE draft (heads.load), on the CPU in float32
+    heads: torch.nn.Module  # the loaded Medusa heads or EAGLE draft (headstart.heads.load), on the CPU in float32
 
     @property
     def target(self) -> dict:
@@ -70,7 +70,7 @@ def _unique_labels(paths: Sequence[Path]) -> list[str]:
 
 def find_heads(patterns: Sequence[str]) -> list[HeadsEntry]:
     """Resolve --heads arguments (dirs, globs, a training output_dir holding heads/, Hub ids) and load each
-    directory through heads.load (strict: a broken directory fails here, before the target loads)."""
+    directory through headstart.heads.load (strict: a broken directory fails here, before the target loads)."""
     names = _expand(patterns)
     if not names:
         raise BenchError(f"no heads directories found for --heads {' '.join(patterns)}: the pattern(s) matched "

@@ -12,12 +12,12 @@ from typing import Callable, Sequence
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from heads.directory import ADAPTER_DIR, check_target
-from heads.load import merge_adapter
-from inference.bench_inputs import HeadsEntry
-from inference.forward import sync
-from inference.speculator import Speculator
-from inference.tree import tree_choices
+from headstart.heads.directory import ADAPTER_DIR, check_target
+from headstart.heads.load import merge_adapter
+from headstart.inference.bench_inputs import HeadsEntry
+from headstart.inference.forward import sync
+from headstart.inference.speculator import Speculator
+from headstart.inference.tree import tree_choices
 
 LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
 FIXED_SUFFIX = " fixed"  # the heads' fixed tree every step (--adaptive both: beside the adaptive rows)

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from inference.bench_methods import Method
+from headstart.inference.bench_methods import Method
 
 NEAR_TIE_ULPS = 4  # a mismatch is a near-tie when both runs' margins are within this many ulps of the top logit
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import statistics
 
-from inference.bench_near_tie import NEAR_TIE_ULPS
-from inference.bench_summary import versus_best_other
+from headstart.inference.bench_near_tie import NEAR_TIE_ULPS
+from headstart.inference.bench_summary import versus_best_other
 
 
 def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:

@@ -9,8 +9,8 @@ import random
 import statistics
 from typing import Sequence
 
-from inference.bench_methods import Method, Run
-from inference.bench_near_tie import first_difference
+from headstart.inference.bench_methods import Method, Run
+from headstart.inference.bench_near_tie import first_difference
 
 BOOTSTRAP_SAMPLES = 2000  # resamples of the prompts for the speedup's 95% interval
 BOOTSTRAP_SEED = 0

@@ -31,13 +31,13 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from heads.directory import HeadsLoadError, checked, checked_rates, read_metrics
-from heads.output_dir import write_file
-from inference.adapt import PRIOR_STEP_RATIO, StepCost
-from inference.cpu_linear import linear_kernel
-from inference.forward import compact_cache, target_forward
-from inference.medusa import medusa_logits
-from inference.tree import (DEFAULT_ACCURACY, MAX_TREE_NODES, DraftInput, Proposer, best_choices, expected_accept_length,
+from headstart.heads.directory import HeadsLoadError, checked, checked_rates, read_metrics
+from headstart.heads.output_dir import write_file
+from headstart.inference.adapt import PRIOR_STEP_RATIO, StepCost
+from headstart.inference.cpu_linear import linear_kernel
+from headstart.inference.forward import compact_cache, target_forward
+from headstart.inference.medusa import medusa_logits
+from headstart.inference.tree import (DEFAULT_ACCURACY, MAX_TREE_NODES, DraftInput, Proposer, best_choices, expected_accept_length,
                             tree_from_choices)
 
 TREE_FILE = "tree.json"

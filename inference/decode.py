@@ -16,11 +16,11 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.adapt import AdaptivePolicy
-from inference.forward import compact_cache, target_forward
-from inference.lookup import LookupConfig, chain_draft, lookup_continuation
-from inference.tree import DraftInput, Proposer, Tree
-from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
+from headstart.inference.adapt import AdaptivePolicy
+from headstart.inference.forward import compact_cache, target_forward
+from headstart.inference.lookup import LookupConfig, chain_draft, lookup_continuation
+from headstart.inference.tree import DraftInput, Proposer, Tree
+from headstart.inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 
 class SpeculatorError(ValueError):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from inference.forward import compact_cache
-from inference.tree import DynamicTreeConfig, Tree, build_dynamic_tree
+from headstart.inference.forward import compact_cache
+from headstart.inference.tree import DynamicTreeConfig, Tree, build_dynamic_tree
 
 
 class EagleProposer:

@@ -11,7 +11,7 @@ so greedy output can differ from plain greedy at near-ties; with `exact` the res
 norms, RoPE) is row-by-row arithmetic, identical to the one-token step wherever the device's matmul gives a row the
 same result whatever the number of rows (`rows_invariant` checks it).
 
-`python -m inference.forward [--target T]` times a step by tokens verified, and the two attention paths
+`python -m headstart.inference.forward [--target T]` times a step by tokens verified, and the two attention paths
 (`gqa=True` / `False`).
 """
 
@@ -29,8 +29,8 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from inference.attention import attention_implementation, gqa_sdpa
-from inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
+from headstart.inference.attention import attention_implementation, gqa_sdpa
+from headstart.inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
                                   use_cpu_linears)
 
 ROWWISE_SDPA = "headstart_rowwise_sdpa"
@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     """Time the target's tree forward here: a step's cost by tokens verified (chains of --sizes, over each of
     --caches), and a 3-token tree step with gqa=False vs gqa=True over 300 / 1000 / 1800-token caches; medians of
     --repeats, run in turns (on CUDA synchronised around each timed call)."""
-    from heads.target import load_target
-    from inference.tree import tree_from_choices
+    from headstart.heads.target import load_target
+    from headstart.inference.tree import tree_from_choices
 
-    parser = argparse.ArgumentParser(prog="python -m inference.forward", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m headstart.inference.forward", description=main.__doc__)
     parser.add_argument("--target", default="smollm2-135m", help="name or path (heads/target.py)")
     parser.add_argument("--dtype", default="float32", help="the target's dtype: float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")

@@ -1,10 +1,10 @@
 """The command line: chat-render a prompt, decode it with a heads directory's `Speculator`, stream the text.
 
-    python -m inference.generate --heads DIR_OR_ID --prompt "Hi!" --max_new_tokens 64 [--temperature 0.7] \
+    python -m headstart.inference.generate --heads DIR_OR_ID --prompt "Hi!" --max_new_tokens 64 [--temperature 0.7] \
         [--tree auto|default|PATH] [--no_lookup] [--fixed_tree]
 
 It prints tau (tokens per target forward) and tokens/s at the end. The Python entry point is re-exported here:
-`from inference.generate import Speculator` (inference/speculator.py).
+`from headstart.inference.generate import Speculator` (inference/speculator.py).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Callable
 
 import torch
 
-from heads.chat import prompt_ids
-from heads.target import TargetLoadError
-from inference.decode import SpeculatorError
-from inference.speculator import Speculator
+from headstart.heads.chat import prompt_ids
+from headstart.heads.target import TargetLoadError
+from headstart.inference.decode import SpeculatorError
+from headstart.inference.speculator import Speculator
 
 __all__ = ["Speculator", "SpeculatorError", "TextStream", "main"]
 
@@ -48,7 +48,7 @@ class TextStream:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m inference.generate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headstart.inference.generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", required=True, help="heads directory or Hub id")
     parser.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="tokens generated at most")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inference.tree import Tree, tree_from_parents
+from headstart.inference.tree import Tree, tree_from_parents
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
+from headstart.inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
 
 
 class MedusaProposer:

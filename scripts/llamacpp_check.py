@@ -158,9 +158,9 @@ class LlamaServer:
 def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0) -> list[list[int]]:
     """The benchmark's held-out prompts (the first `per_category` of each family; the first `num_prompts` of those
     when > 0), rendered with the chat template."""
-    from heads.chat import prompt_ids
-    from heads.prompt_rows import pick_per_category
-    from heads.prompts import load_prompts
+    from headstart.heads.chat import prompt_ids
+    from headstart.heads.prompt_rows import pick_per_category
+    from headstart.heads.prompts import load_prompts
 
     rows = pick_per_category(load_prompts(spec).rows, per_category)
     return [prompt_ids(tokenizer, row.turns[0], row.system) for row in rows[: num_prompts or len(rows)]]
@@ -186,9 +186,9 @@ def llamacpp_tau(runs: list[dict]) -> float:
 
 def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
                 out: Path, version: str) -> dict:
-    from heads.directory import read_method
-    from heads.export import export_heads
-    from heads.export_gguf import GGUF_FILE, SPEC_TYPES
+    from headstart.heads.directory import read_method
+    from headstart.heads.export import export_heads
+    from headstart.heads.export_gguf import GGUF_FILE, SPEC_TYPES
     from vllm_check import headstart_chain
 
     method = read_method(Path(heads_dir))
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(REPO))
     sys.path.insert(0, str(REPO / "scripts"))
-    from heads.target import load_target
+    from headstart.heads.target import load_target
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)

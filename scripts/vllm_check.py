@@ -198,16 +198,16 @@ def patch_dflash_context_k_norm() -> None:
 
 
 def render_prompts(tokenizer, spec: str, n: int) -> list[list[int]]:
-    from heads.chat import prompt_ids
-    from heads.prompts import load_prompts
+    from headstart.heads.chat import prompt_ids
+    from headstart.heads.prompts import load_prompts
 
     return [prompt_ids(tokenizer, row.turns[0]) for row in load_prompts(spec, n).rows]
 
 
 def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_tokens: int, target) -> dict:
     """headstart on the same prompts: a chain of depth k, lookup off, fixed (not adaptive), fp32 greedy."""
-    from heads.load import load_heads_and_target
-    from inference.generate import Speculator
+    from headstart.heads.load import load_heads_and_target
+    from headstart.inference.generate import Speculator
 
     chain = [[0] * d for d in range(1, k + 1)]
     heads, model, tokenizer, _ = load_heads_and_target(heads_dir, target)
@@ -252,8 +252,8 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
 
 
 def compare(args: argparse.Namespace) -> int:
-    from heads.directory import read_method
-    from heads.export import export_heads
+    from headstart.heads.directory import read_method
+    from headstart.heads.export import export_heads
 
     out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
@@ -321,7 +321,7 @@ def compare(args: argparse.Namespace) -> int:
 def fastest_tokens_per_s(rounds: list[dict], engine: str) -> float:
     """The tokens/s of an engine's fastest round (its tokens over its generation seconds). EngineError when a round
     generated no tokens or its time is not a positive finite number: no figure comes from such a round."""
-    from train.engines import EngineError
+    from headstart.train.engines import EngineError
 
     if not rounds:
         raise EngineError(f"vLLM {engine} the draft ran no timed round: pass --rounds 1 or more")
@@ -341,7 +341,7 @@ def speed_record(run: dict, k: int) -> dict:
     without the draft (fastest round each), vLLM's mean acceptance length over the timed rounds (1 + accepted /
     drafts) and the step cost it implies at k (acceptance x tokens/s without / tokens/s with, a step with the draft
     over a plain step). EngineError when a figure would come from zero tokens, a zero time or no drafts."""
-    from train.engines import EngineError
+    from headstart.train.engines import EngineError
 
     with_, without = (fastest_tokens_per_s(run["rounds"][engine], engine) for engine in ("with", "without"))
     drafts, accepted = run.get("num_drafts"), run.get("num_accepted_tokens")
@@ -364,11 +364,11 @@ def speed(args: argparse.Namespace) -> int:
     """Export each heads dir for vLLM, measure batch-1 tokens/s with and without the draft (`speed-run` in the vLLM
     venv), compare outputs and vLLM's acceptance with headstart's prediction, and add the record to the heads dir's
     engines.json. 0 when every heads dir was measured, 1 otherwise (its row in speed.json says why)."""
-    from heads.directory import read_method, read_metrics
-    from heads.export import export_heads
-    from heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
-    from train.config import check_number
-    from train.engines import EngineError
+    from headstart.heads.directory import read_method, read_metrics
+    from headstart.heads.export import export_heads
+    from headstart.heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
+    from headstart.train.config import check_number
+    from headstart.train.engines import EngineError
 
     for name in ("num_prompts", "max_new_tokens", "rounds"):
         check_number(args, name, 1)
@@ -433,9 +433,9 @@ def fold_error(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from heads.export_formats import fold_fc_bias
-    from heads.load import load_heads
-    from heads.target import load_target
+    from headstart.heads.export_formats import fold_fc_bias
+    from headstart.heads.load import load_heads
+    from headstart.heads.target import load_target
 
     model, tokenizer, info = load_target(args.target)
     draft = load_heads(args.heads, info)
@@ -488,7 +488,7 @@ def fold_error(args: argparse.Namespace) -> int:
 def prepare_run(args) -> tuple[Path, str, tuple, list, Path]:
     """What `speed` and `compare` start with: the output folder, the target as a plain HF dir for vLLM, the loaded
     target, the rendered prompts and the prompts file vLLM's side reads."""
-    from heads.target import embedded_local_dir, load_target
+    from headstart.heads.target import embedded_local_dir, load_target
 
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(REPO))
     if args.mode == "speed":
-        from train.cli import USER_ERRORS
+        from headstart.train.cli import USER_ERRORS
 
         try:
             return speed(args)

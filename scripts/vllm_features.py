@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))  # train/feature_shards.py
 
 import torch  # noqa: E402
 
-from train.feature_shards import read_rows, rows_sha256, shard_path, write_shard  # noqa: E402
+from headstart.train.feature_shards import read_rows, rows_sha256, shard_path, write_shard  # noqa: E402
 
 CAPTURE = "_headstart_features"  # the decoder's attribute that holds the captured forwards
 

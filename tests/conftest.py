@@ -96,7 +96,7 @@ def tiny_chat_tokenizer(vocab_size: int = 320):
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
-    """A saved tiny Llama target with a Llama-3-style chat tokenizer, loadable by heads.target.load_target."""
+    """A saved tiny Llama target with a Llama-3-style chat tokenizer, loadable by headstart.heads.target.load_target."""
     path = tmp_path_factory.mktemp("tiny-target")
     tokenizer = tiny_chat_tokenizer()
     model = tiny_model("llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -110,7 +110,7 @@ def tiny_target_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded_target():
     """The real embedded default (SmolLM2-135M-Instruct), loaded once per session."""
-    from heads.target import load_target
+    from headstart.heads.target import load_target
 
     return load_target("smollm2-135m")
 

@@ -1,4 +1,4 @@
-"""Held-out acceptance by task family (python -m inference.acceptance) on a tiny random target: per-family tau equals
+"""Held-out acceptance by task family (python -m headstart.inference.acceptance) on a tiny random target: per-family tau equals
 the Speculator's own stats summed by hand; per_category picks the first rows of each family; errors exit 2."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from heads.chat import prompt_ids
-from heads.prompts import PromptRow
-from heads.prompt_rows import pick_per_category
-from inference.acceptance import main
-from inference.speculator import Speculator
+from headstart.heads.chat import prompt_ids
+from headstart.heads.prompts import PromptRow
+from headstart.heads.prompt_rows import pick_per_category
+from headstart.inference.acceptance import main
+from headstart.inference.speculator import Speculator
 
 from test_bench import save_heads
 

@@ -16,16 +16,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from heads.dflash import DFlashDraft, dflash_config_for
-from heads.directory import HeadsLoadError
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.export import ExportError, export_heads
-from heads.export import main as export_main
-from heads.load import load_heads
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import TargetLoadError, load_target
-from inference.decode import SpeculatorError
-from inference.ngram import NGRAM_FILE, NgramConfig, NgramTable
+from headstart.heads.dflash import DFlashDraft, dflash_config_for
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.eagle import EagleDraft, eagle_config_for
+from headstart.heads.export import ExportError, export_heads
+from headstart.heads.export import main as export_main
+from headstart.heads.load import load_heads
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import TargetLoadError, load_target
+from headstart.inference.decode import SpeculatorError
+from headstart.inference.ngram import NGRAM_FILE, NgramConfig, NgramTable
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_an_eagle_layer_wider_than_its_weights_is_refused_before_allocating(targ
 
 
 def test_a_100000_node_tree_is_refused(target, tmp_path):
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     heads = medusa_heads(tmp_path / "medusa", target[2])
     vocab = target[2].vocab_size
@@ -190,7 +190,7 @@ def write_ngram(file: Path, keys: torch.Tensor, nxt: torch.Tensor, config: dict 
     (torch.tensor([[-1.0, 5.0]]), torch.tensor([float("nan")]), "must hold int64 token ids"),
 ])
 def test_ngram_ids_out_of_vocabulary_are_refused_at_load(target, tmp_path, keys, nxt, words):
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     heads = medusa_heads(tmp_path / "medusa", target[2])
     write_ngram(heads / NGRAM_FILE, keys, nxt)
@@ -208,7 +208,7 @@ def test_ngram_config_fields_are_checked(tmp_path):
 
 def tree_record(spec, **changes) -> dict:
     """A tree.json calibration record this Speculator would reuse (device, threads and kernels match)."""
-    from inference.cpu_linear import linear_kernel
+    from headstart.inference.cpu_linear import linear_kernel
 
     record = {"choices": [[0], [0, 0]], "step_ms": {"1": 10.0, "3": 12.0}, "draft_ratio": {"0": 0.1}, "rounds": 9,
               "noisy": False, "device": "cpu", "linear": linear_kernel(spec.model), "threads": torch.get_num_threads(),
@@ -225,7 +225,7 @@ def tree_record(spec, **changes) -> dict:
     ({"accuracy": [[0.5, "x"]]}, r"accuracy\[0\]\[1\] must be a finite number"),
 ])
 def test_a_tampered_tree_json_is_refused_at_load(target, tmp_path, changes, words):
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     heads = medusa_heads(tmp_path / "medusa", target[2])
     spec = Speculator.from_pretrained(heads)
@@ -242,7 +242,7 @@ def test_a_tampered_tree_json_is_refused_at_load(target, tmp_path, changes, word
     ({"rank_accuracy": [[7.0]]}, r"rank_accuracy\[0\]\[0\] is 7.0, outside 0.0..1.0"),
 ])
 def test_strings_in_metrics_json_are_refused_at_load(target, tmp_path, metrics, words):
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     heads = medusa_heads(tmp_path / "medusa", target[2])
     (heads / "metrics.json").write_text(json.dumps(metrics))
@@ -262,7 +262,7 @@ def test_strings_in_metrics_json_are_one_line_from_the_export_cli(target, tmp_pa
 
 
 def test_a_truncated_ngram_table_is_one_line_from_generate(target, tmp_path, capsys):
-    from inference.generate import main
+    from headstart.inference.generate import main
 
     heads = medusa_heads(tmp_path / "medusa", target[2])
     NgramTable({(1,): 2, (1, 2): 3}, NgramConfig(max_n=2)).save(heads / NGRAM_FILE)
@@ -273,7 +273,7 @@ def test_a_truncated_ngram_table_is_one_line_from_generate(target, tmp_path, cap
 
 
 def test_an_auto_map_target_is_one_line_and_runs_no_code(target, tmp_path, capsys):
-    from inference.generate import main
+    from headstart.inference.generate import main
 
     model_dir = tmp_path / "custom"
     model_dir.mkdir()
@@ -294,7 +294,7 @@ def test_an_auto_map_target_is_one_line_and_runs_no_code(target, tmp_path, capsy
 
 
 def test_an_oversized_ngram_table_is_refused_from_its_header(tmp_path, monkeypatch):
-    import inference.ngram as ngram
+    import headstart.inference.ngram as ngram
 
     monkeypatch.setattr(ngram, "MAX_NGRAM_ENTRIES", 100, raising=False)
     file = tmp_path / NGRAM_FILE

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.chat import prompt_ids, stop_token_ids
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.prompt_rows import PromptRow
-from heads.target import load_target
-from inference.bench import main, time_methods
-from inference.bench_inputs import BenchError, Prompt, read_prompt_rows
-from inference.bench_methods import Method, Run
-from inference.bench_report import markdown
-from inference.bench_summary import summarise_all, versus_best_other
-from inference.generate import Speculator
+from headstart.heads.chat import prompt_ids, stop_token_ids
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.prompt_rows import PromptRow
+from headstart.heads.target import load_target
+from headstart.inference.bench import main, time_methods
+from headstart.inference.bench_inputs import BenchError, Prompt, read_prompt_rows
+from headstart.inference.bench_methods import Method, Run
+from headstart.inference.bench_report import markdown
+from headstart.inference.bench_summary import summarise_all, versus_best_other
+from headstart.inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories
     {"question_id": 1, "category": "writing", "turns": ["Tell me a story about a dragon and a knight.", "More."]},
@@ -152,7 +152,7 @@ def test_category_breakdown_and_reports(results, capsys):
     for cat in res["categories"].values():
         assert set(cat) == set(res["methods"]) and all(METHOD_KEYS <= set(m) for m in cat.values())
     md = (out / "results.md").read_text()
-    assert md.startswith("Command: `python -m inference.bench --heads ")
+    assert md.startswith("Command: `python -m headstart.inference.bench --heads ")
     for cell in ("| vanilla |", "| a/heads |", "predicted speedup", "| writing |", "| coding |", "95% CI",
                  "| per-prompt min | median | mean | max |"):
         assert cell in md
@@ -247,7 +247,7 @@ def test_errors(setup, tiny_target_dir, tmp_path, capsys):
 def test_medusa2_heads_run_against_their_adapter_merged_target(setup, tiny_target_dir, tmp_path, capsys, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
-    from inference.speculator import Speculator as SpeculatorClass
+    from headstart.inference.speculator import Speculator as SpeculatorClass
 
     _, prompts, heads_a, _ = setup
     heads_dir = save_heads(tmp_path / "m2", tiny_target_dir, seed=4)

@@ -16,17 +16,17 @@ from test_infer_generate import VOCAB, OracleProposer, random_heads
 from test_medusa_train import base_args as medusa_args
 from test_medusa_train import write_selfdistilled
 
-from inference.bench_methods import Method, Run
-from inference.bench_near_tie import NEAR_TIE_ULPS, near_tie
-from inference.bench_report import mismatch_table
-from inference.bench_summary import summarise_all
-from inference.forward import rows_invariant
-from inference.generate import Speculator
-from inference.tree import tree_from_choices
-from train.eagle import main as eagle_main
-import train.medusa
-from train.medusa import main as medusa_main
-from train.sharding import load_full_state
+from headstart.inference.bench_methods import Method, Run
+from headstart.inference.bench_near_tie import NEAR_TIE_ULPS, near_tie
+from headstart.inference.bench_report import mismatch_table
+from headstart.inference.bench_summary import summarise_all
+from headstart.inference.forward import rows_invariant
+from headstart.inference.generate import Speculator
+from headstart.inference.tree import tree_from_choices
+from headstart.train.eagle import main as eagle_main
+import headstart.train.medusa
+from headstart.train.medusa import main as medusa_main
+from headstart.train.sharding import load_full_state
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -69,15 +69,15 @@ def fresh_accelerate_state(monkeypatch):
     mixed precision "bf16", the fp32 run's before it in this process "no"."""
     from accelerate.state import AcceleratorState
 
-    import train.loop
+    import headstart.train.loop
 
-    real = train.loop.Accelerator
+    real = headstart.train.loop.Accelerator
 
     def accelerator(**kwargs):
         AcceleratorState._reset_state(True)
         return real(**kwargs)
 
-    monkeypatch.setattr(train.loop, "Accelerator", accelerator)
+    monkeypatch.setattr(headstart.train.loop, "Accelerator", accelerator)
     yield
     AcceleratorState._reset_state(True)
 
@@ -107,7 +107,7 @@ def test_medusa_evaluates_rebuilt_heads_on_a_bf16_target(tmp_path, tiny_target_d
     common = ["--max_steps", "2", "--dtype", "bfloat16",
               "--share_lm_head", "true", "--draft_vocab_size", "24"]  # the recipe's heads: the target's lm_head rows
     medusa_main(medusa_args(tiny_target_dir, medusa_data, tmp_path / "wrapped", *common))
-    monkeypatch.setattr(train.medusa, "plain_model", rebuilt)
+    monkeypatch.setattr(headstart.train.medusa, "plain_model", rebuilt)
     medusa_main(medusa_args(tiny_target_dir, medusa_data, tmp_path / "rebuilt", *common))
     wrapped, rebuilt_metrics = (json.loads((tmp_path / d / "heads" / "metrics.json").read_text())
                                 for d in ("wrapped", "rebuilt"))

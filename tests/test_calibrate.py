@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import tiny_model
 
-import inference.calibrate as calibrate_module
-from heads.medusa import MedusaConfig, MedusaHeads
-from inference.calibrate import FALLBACK_NODES, ROUNDS, busy_reading, calibrate_tree, others_cores, relative_mad, stale_reason
-from inference.cpu_linear import ALWAYS_ONEDNN, use_cpu_linears
-from inference.speculator import Speculator
-from inference.tree import best_choices
+import headstart.inference.calibrate as calibrate_module
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.inference.calibrate import FALLBACK_NODES, ROUNDS, busy_reading, calibrate_tree, others_cores, relative_mad, stale_reason
+from headstart.inference.cpu_linear import ALWAYS_ONEDNN, use_cpu_linears
+from headstart.inference.speculator import Speculator
+from headstart.inference.tree import best_choices
 
 QUIET_MS = {1: 40, 2: 40, 3: 42, 4: 52, 6: 58, 8: 62, 12: 80, 16: 95, 32: 170, 64: 275}  # a CPU-like step curve
 DRAFT_MS = 2.0

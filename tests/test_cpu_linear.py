@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_model
-from inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, MKL_ROWS, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
+from headstart.inference.cpu_linear import (ALWAYS_ONEDNN, DEFAULT, MKL, MKL_ROWS, ONEDNN, CpuLinear, KernelChoice, linear_kernel,
                                   mkl_applies, projection, use_cpu_linears)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -57,9 +57,9 @@ def test_projection_is_a_matmul_by_the_transposed_weight(rows):
 
 
 def test_rows_invariant_checks_the_swapped_layers():
-    """inference.forward.rows_invariant (what --exact relies on) must test the CPU layers the Speculator swapped in:
+    """headstart.inference.forward.rows_invariant (what --exact relies on) must test the CPU layers the Speculator swapped in:
     one whose output depends on the number of rows makes it False (it checked only nn.Linear and said True)."""
-    from inference.forward import rows_invariant
+    from headstart.inference.forward import rows_invariant
 
     model = tiny_model("llama").eval()
     use_cpu_linears(model)

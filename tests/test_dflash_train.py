@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.dflash import DFlashDraft, default_feature_layers, dflash_config_for
-from heads.load import load_heads
-from heads.target import load_target
+from headstart.heads.dflash import DFlashDraft, default_feature_layers, dflash_config_for
+from headstart.heads.load import load_heads
+from headstart.heads.target import load_target
 from conftest import tiny_model
 from test_eagle_train import llama_dir, sd_dir, train_log, weights  # noqa: F401 (fixtures: a 4-layer target, its rows)
-from train.config import ConfigError, parse_config
-from train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token, main,
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token, main,
                           pick_anchors, valid_anchors)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -131,32 +131,32 @@ PROMPTS = "10"  # prompts self-distilled, by a script or by a trainer that finds
 
 
 def reduce_args(module: str, args: list[str], target: str) -> list[str]:
-    if module == "train.selfdistill":  # the recipe's generation settings stay: a trainer's self-distillation uses them
+    if module == "headstart.train.selfdistill":  # the recipe's generation settings stay: a trainer's self-distillation uses them
         return args + ["--target", target, "--num_prompts", PROMPTS]
-    if module in ("train.medusa", "train.eagle", "train.dflash"):
+    if module in ("headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash"):
         extra = ["--target", target, "--num_prompts", PROMPTS, "--max_steps", "2", "--eval_rows", "2",
                  "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1", "--max_length", "256",
                  "--report_to", "none"]
         if (recipe_field(args, "draft_vocab_size") or 0) > 64:
             extra += ["--draft_vocab_size", "64"]  # the tiny target's vocabulary is 320 tokens
         return args + extra
-    if module == "heads.export" and last_value(args, "--format") == "llamacpp":  # the docs target's own GGUF
+    if module == "headstart.heads.export" and last_value(args, "--format") == "llamacpp":  # the docs target's own GGUF
         return [*args, "--target_gguf", str(docs_target_gguf(target))] if target else args
-    if module == "inference.generate":
+    if module == "headstart.inference.generate":
         return args + ["--max_new_tokens", "8"]
-    if module == "inference.bench":
+    if module == "headstart.inference.bench":
         return args + ["--num_prompts", "2", "--max_new_tokens", "8"] + (["--per_category", "1"] if "--per_category" in args else [])
-    if module == "inference.forward":
+    if module == "headstart.inference.forward":
         return args + ["--target", target, "--repeats", "2"]
-    if module == "inference.acceptance":
+    if module == "headstart.inference.acceptance":
         return args + ["--per_category", "1", "--max_new_tokens", "8"]
-    if module == "inference.replay":
+    if module == "headstart.inference.replay":
         return args + ["--per_category", "1", "--max_new_tokens", "8"]
-    if module == "train.bench_selfdistill":
+    if module == "headstart.train.bench_selfdistill":
         return args + ["--target", target, "--num_prompts", "4", "--max_new_tokens", "8", "--batch_sizes", "2",
                        "--generate_batch_sizes", "2", "--repeats", "1"]
     if module == "scripts.demo":  # its stages in subprocesses, one process each, reduced as above
-        train = reduce_args("train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
+        train = reduce_args("headstart.train.medusa", ["--config", "recipes/smollm2-135m/medusa.yaml"], target)[2:]
         return args + ["--target", target, "--num_prompts", PROMPTS, "--processes", "1", "--bench_per_category", "1",
                        "--max_new_tokens", "8", "--train_args=" + shlex.join(train[train.index("--max_steps"):])]
     return args
@@ -200,15 +200,15 @@ def last_value(args: list[str], flag: str, default=None):
     return values[-1] if values else default
 
 
-CONFIG_CLASSES = {"train.selfdistill": "SelfDistillConfig", "train.medusa": "MedusaTrainConfig",
-                  "train.eagle": "EagleTrainConfig", "train.dflash": "DFlashTrainConfig"}
+CONFIG_CLASSES = {"headstart.train.selfdistill": "SelfDistillConfig", "headstart.train.medusa": "MedusaTrainConfig",
+                  "headstart.train.eagle": "EagleTrainConfig", "headstart.train.dflash": "DFlashTrainConfig"}
 
 
 def output_dir(module: str, args: list[str]) -> Path | None:
     """Where a self-distillation or training command writes, as the script's own parser reads its arguments."""
     if module not in CONFIG_CLASSES:
         return None
-    from train.config import parse_config
+    from headstart.train.config import parse_config
 
     return Path(parse_config(getattr(importlib.import_module(module), CONFIG_CLASSES[module]), args).output_dir)
 
@@ -216,14 +216,14 @@ def output_dir(module: str, args: list[str]) -> Path | None:
 def written_at(module: str, args: list[str]) -> int:
     """mtime of the file a command (re)writes last: meta.json or heads/model.safetensors; 0 if absent."""
     out = output_dir(module, args)
-    file = None if out is None else out / ("meta.json" if module == "train.selfdistill" else "heads/model.safetensors")
+    file = None if out is None else out / ("meta.json" if module == "headstart.train.selfdistill" else "heads/model.safetensors")
     return file.stat().st_mtime_ns if file is not None and file.is_file() else 0
 
 
 def check_outputs(module: str, args: list[str], printed: str) -> None:
     """What the script promises to leave behind."""
     out = output_dir(module, args)
-    if module == "train.selfdistill":
+    if module == "headstart.train.selfdistill":
         assert (out / "dataset").is_dir() and (out / "meta.json").is_file()
     elif module in CONFIG_CLASSES and last_value(args, "--build_cache_only", "false") == "true":
         assert (Path(last_value(args, "--feature_cache_dir")) / "cache.json").is_file()  # the cache (or vLLM's request)
@@ -231,32 +231,32 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert (out / "heads" / "config.json").is_file() and (out / "heads" / "model.safetensors").is_file()
         if json.loads((out / "heads" / "config.json").read_text())["method"] == "medusa2":
             assert (out / "heads" / "adapter" / "adapter_config.json").is_file()
-    elif module == "inference.bench":
+    elif module == "headstart.inference.bench":
         out = Path(last_value(args, "--output"))
         assert (out / "results.json").is_file() and (out / "results.md").is_file()
-    elif module == "inference.generate":
+    elif module == "headstart.inference.generate":
         assert "tau" in printed
-    elif module == "train.bench_selfdistill":
+    elif module == "headstart.train.bench_selfdistill":
         methods = args[args.index("--methods") + 1:] if "--methods" in args else ["generate", "packed"]
         methods = methods[:next((i for i, a in enumerate(methods) if a.startswith("--")), len(methods))]
         assert "batch  tok/s (median" in printed
         assert all(f"\n{method} " in printed for method in methods)  # a summary row for each method asked for
-    elif module == "inference.acceptance":
+    elif module == "headstart.inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
-    elif module == "inference.replay":
+    elif module == "headstart.inference.replay":
         assert "| adaptive +lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "scripts.demo":
-        from train.config import parse_config
+        from headstart.train.config import parse_config
 
         out = Path(parse_config(importlib.import_module(module).DemoConfig, args).output_dir)
         assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
         assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
         assert "Speedup by task family:" in printed and "| writing |" in printed
         assert "In an engine" in printed and "- vLLM: " in printed and "--format vllm" in printed
-    elif module == "heads.export" and last_value(args, "--format") == "llamacpp":
+    elif module == "headstart.heads.export" and last_value(args, "--format") == "llamacpp":
         out = Path(args[1])
         assert (out / "draft.gguf").is_file() and (out / "README.md").is_file() and "llama-server -m" in printed
-    elif module == "heads.export":
+    elif module == "headstart.heads.export":
         out = Path(args[1])
         assert (out / "config.json").is_file() and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
 
@@ -299,7 +299,7 @@ def docs_server(docs_target):
     server.stop()
 
 
-REPORT_ONLY = ("inference.bench", "inference.replay", "inference.acceptance")  # scripts whose reports no command reads
+REPORT_ONLY = ("headstart.inference.bench", "headstart.inference.replay", "headstart.inference.acceptance")  # scripts whose reports no command reads
 
 
 def flag_values(args: list[str]) -> dict[str, tuple[str, ...]]:
@@ -345,7 +345,7 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
     if module == "scripts.llamacpp_check":
         pytest.skip("llama.cpp's own commands need llama-server and heads trained on the embedded target: the llama.cpp "
                     "lane (tests/test_llamacpp.py, with HEADSTART_LLAMACPP_SERVER and HEADSTART_LLAMACPP_HEADS) runs them")
-    backend = last_value(args, "--backend") if module == "train.selfdistill" else None
+    backend = last_value(args, "--backend") if module == "headstart.train.selfdistill" else None
     if backend == "vllm":
         pytest.skip("--backend vllm needs vLLM: the vLLM lane of tests/test_selfdistill_engines.py (HEADSTART_VLLM_PYTHON) runs it")
     args = reduce_args(module, args, docs_target)
@@ -361,7 +361,7 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
             result = importlib.import_module(module).main(args)
     assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
     check_outputs(module, args, printed.getvalue())
-    if module in ("train.medusa", "train.eagle", "train.dflash") and last_value(args, "--build_cache_only") != "true":
+    if module in ("headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash") and last_value(args, "--build_cache_only") != "true":
         # a rerun into the same directory wrote its heads again
         assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 

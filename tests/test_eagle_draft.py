@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from heads.eagle import NORM_FLAGS, EagleConfig, EagleDraft, eagle_config_for
-from heads.load import load_heads
-from heads.target import target_info
-from train.config import ConfigError, parse_config
-from train.eagle import DEFAULT_NORMS, EagleTrainConfig, check_config
+from headstart.heads.eagle import NORM_FLAGS, EagleConfig, EagleDraft, eagle_config_for
+from headstart.heads.load import load_heads
+from headstart.heads.target import target_info
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.eagle import DEFAULT_NORMS, EagleTrainConfig, check_config
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

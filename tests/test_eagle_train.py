@@ -18,17 +18,17 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from transformers import DynamicCache
 
-from heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
-from heads.load import load_heads
-from heads.target import load_target
+from headstart.heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
+from headstart.heads.load import load_heads
+from headstart.heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
-from train.config import ConfigError, parse_config
-from train.data import DataError, supervised_token_counts
-from train.eagle import (EagleTrainConfig, check_config, draft_loss, init_from_target, main, optimizer_for,
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.data import DataError, supervised_token_counts
+from headstart.train.eagle import (EagleTrainConfig, check_config, draft_loss, init_from_target, main, optimizer_for,
                          prepare_batch, step_valid)
-from train.eagle_unroll import unroll
-from train.features import FeatureSource, cache_bytes, target_features
-from train.muon import MuonAdamW, orthogonalise
+from headstart.train.eagle_unroll import unroll
+from headstart.train.features import FeatureSource, cache_bytes, target_features
+from headstart.train.muon import MuonAdamW, orthogonalise
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -415,7 +415,7 @@ def test_cache_size_table_in_the_docs():
 
 def test_feature_cache_refused_when_the_disk_is_too_small(llama_dir, sd_dir, tmp_path, monkeypatch):
     import shutil as real_shutil
-    from train import features
+    from headstart.train import features
 
     free = real_shutil._ntuple_diskusage(total=10**9, used=10**9 - 1000, free=1000)
     monkeypatch.setattr(features.shutil, "disk_usage", lambda path: free)
@@ -441,7 +441,7 @@ def test_feature_cache_written_from_vllm_states(llama_dir, sd_dir, tmp_path, cap
     forward in any order, padding after them, vLLM's aux states = HF hidden_states[j]), writes the same shards as
     headstart, and training reads them without running the target."""
     from safetensors.torch import load_file
-    from train.feature_shards import read_rows, shard_path
+    from headstart.train.feature_shards import read_rows, shard_path
 
     script = load_vllm_features_script()
     common = ["--max_steps", "2", "--feature_cache_shard_rows", "5"]

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.export import ExportError, export_and_push, export_heads, main
-from heads.export_formats import fold_fc_bias, target_hub_id
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import EMBEDDED_HUB_ID, target_info
+from headstart.heads.eagle import EagleDraft, eagle_config_for
+from headstart.heads.export import ExportError, export_and_push, export_heads, main
+from headstart.heads.export_formats import fold_fc_bias, target_hub_id
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import EMBEDDED_HUB_ID, target_info
 
 LAYERS = 6  # feature layers 2, 3, 3 (EAGLE-3 defaults: 2, L//2, L-3): all valid SGLang ids
 
@@ -343,9 +343,9 @@ def test_cli_and_push(tmp_path, monkeypatch, capsys):
     assert main([str(med), str(tmp_path / "cli-m"), "--format", "sglang"]) == 2
     assert "no Medusa drafter" in capsys.readouterr().err
 
-    import heads.directory
+    import headstart.heads.directory
 
-    monkeypatch.setattr(heads.directory, "push_heads_dir", lambda path, repo, private=False: False)
+    monkeypatch.setattr(headstart.heads.directory, "push_heads_dir", lambda path, repo, private=False: False)
     out, pushed = export_and_push(src, "me/draft-vllm", "vllm")
     assert not pushed and out == src.with_name(f"{src.name}-vllm") and (out / "model.safetensors").is_file()
     assert '"model": "me/draft-vllm"' in (out / "README.md").read_text()
@@ -359,7 +359,7 @@ VLLM_DFLASH = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
 
 
 def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash", draft_vocab: int = 32):
-    from heads.dflash import DFlashDraft, dflash_config_for
+    from headstart.heads.dflash import DFlashDraft, dflash_config_for
 
     torch.manual_seed(3)
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=7,

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from conftest import tiny_model
 from test_export import LAYERS, dflash_dir, eagle_dir, make_target, medusa_dir
-from heads.export import ExportError, export_heads, main
-from heads.target import target_info
+from headstart.heads.export import ExportError, export_heads, main
+from headstart.heads.target import target_info
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 128, 64, 4, 2, 16, 128  # conftest's tiny target
 
@@ -237,7 +237,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main([str(src), str(tmp_path / "ok"), "--format", "llamacpp", "--target_gguf", str(tgt)]) == 0
     assert "--spec-type draft-eagle3" in capsys.readouterr().out
     normed, _ = eagle_dir(tmp_path, model, info, "eagle3", name="normed", norm_output=True)
-    run = subprocess.run([sys.executable, "-m", "heads.export", str(normed), str(tmp_path / "no"), "--format",
+    run = subprocess.run([sys.executable, "-m", "headstart.heads.export", str(normed), str(tmp_path / "no"), "--format",
                           "llamacpp", "--target_gguf", str(tgt)], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "norm_output" in run.stderr

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import tiny_model
-from train.features import FeatureSource
+from headstart.train.features import FeatureSource
 
 ROWS = [{"input_ids": list(range(1, 4 + r))} for r in range(7)]  # 7 rows of 3-9 tokens
 LAYERS = {"taps": [1, 2], "final": [2]}  # EAGLE-3-like taps of two layers; Medusa's final state alone

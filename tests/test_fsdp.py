@@ -17,12 +17,12 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file
 
 from test_medusa_train import write_selfdistilled
-from train.cli import CheckpointError
-from train.config import ConfigError
-from train.eagle import main as eagle_main
-from train.medusa import main as medusa_main
+from headstart.train.cli import CheckpointError
+from headstart.train.config import ConfigError
+from headstart.train.eagle import main as eagle_main
+from headstart.train.medusa import main as medusa_main
 from conftest import tiny_model
-from train.sharding import enable_fsdp_on_cpu, full_state
+from headstart.train.sharding import enable_fsdp_on_cpu, full_state
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heads.directory import HeadsLoadError
-from heads.eagle import EagleDraft, eagle_config_for
-from heads.load import load_heads
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import target_info
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.eagle import EagleDraft, eagle_config_for
+from headstart.heads.load import load_heads
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import target_info
 
 from conftest import tiny_model
 

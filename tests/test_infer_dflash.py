@@ -8,13 +8,13 @@ import torch
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from transformers import DynamicCache
 
-from heads.dflash import DFlashDraft, dflash_config_for
-from heads.target import fingerprint
-from inference.decode import SamplingConfig, speculative_generate
-from inference.dflash import DFlashProposer
-from inference.forward import target_forward
-from inference.generate import Speculator, SpeculatorError
-from inference.tree import tree_from_choices
+from headstart.heads.dflash import DFlashDraft, dflash_config_for
+from headstart.heads.target import fingerprint
+from headstart.inference.decode import SamplingConfig, speculative_generate
+from headstart.inference.dflash import DFlashProposer
+from headstart.inference.forward import target_forward
+from headstart.inference.generate import Speculator, SpeculatorError
+from headstart.inference.tree import tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

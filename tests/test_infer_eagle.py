@@ -6,14 +6,14 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
-from heads.target import fingerprint
-import inference.calibrate as calibrate_module
-from inference.eagle import EagleProposer, dynamic_config_from_choices
-from inference.decode import speculative_generate
-from inference.forward import target_forward
-from inference.generate import Speculator, SpeculatorError
-from inference.tree import DraftInput, DynamicTreeConfig
+from headstart.heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
+from headstart.heads.target import fingerprint
+import headstart.inference.calibrate as calibrate_module
+from headstart.inference.eagle import EagleProposer, dynamic_config_from_choices
+from headstart.inference.decode import speculative_generate
+from headstart.inference.forward import target_forward
+from headstart.inference.generate import Speculator, SpeculatorError
+from headstart.inference.tree import DraftInput, DynamicTreeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -53,11 +53,11 @@ def test_accepted_drafts_compact_both_caches(method, monkeypatch):
     """Drafted tokens do get accepted (a 16-token vocabulary: the target's token is often among a random draft's
     top 3), on scattered tree paths too: the target cache is compacted from non-contiguous nodes and the draft
     commits several accepted features at once; the output stays model.generate's and the draft cache exact."""
-    import inference.decode
+    import headstart.inference.decode
 
     kept: list[list[int]] = []
-    compact = inference.decode.compact_cache
-    monkeypatch.setattr(inference.decode, "compact_cache", lambda cache, n, keep: (kept.append(list(keep)),
+    compact = headstart.inference.decode.compact_cache
+    monkeypatch.setattr(headstart.inference.decode, "compact_cache", lambda cache, n, keep: (kept.append(list(keep)),
                                                                                   compact(cache, n, keep)))
     model = tiny_model("llama", vocab_size=16, num_hidden_layers=4, seed=3, eos_token_id=None)
     draft = make_draft(model, method, vocab=16)
@@ -145,7 +145,7 @@ def assert_cache_holds_true_pairs(proposer: EagleProposer, draft: EagleDraft, mo
 def test_lookup_steps_keep_the_draft_cache_and_the_output_exact(method):
     """Steps drafted from the context skip the EAGLE draft; the target features of what they accept are handed
     over at its next call, so its cache still equals a from-scratch run, and the output model.generate's."""
-    from inference.lookup import LookupConfig
+    from headstart.inference.lookup import LookupConfig
 
     model = tiny_model("llama", num_hidden_layers=4, seed=3)
     draft = make_draft(model, method, seed=1)
@@ -170,7 +170,7 @@ def _cache():
 
 
 def _causal(n: int) -> torch.Tensor:
-    from heads.eagle import causal_mask
+    from headstart.heads.eagle import causal_mask
 
     return causal_mask(n, torch.float32)
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import fingerprint
-from heads.chat import prompt_ids
-from inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, monotone_fit, read_accuracy
-from inference.cpu_linear import projection
-from inference.decode import SamplingConfig, speculative_generate
-from inference.generate import Speculator, SpeculatorError, TextStream, main
-from inference.medusa import MedusaProposer, medusa_logits
-from inference.tree import DraftInput, DynamicTreeConfig, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import fingerprint
+from headstart.heads.chat import prompt_ids
+from headstart.inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, monotone_fit, read_accuracy
+from headstart.inference.cpu_linear import projection
+from headstart.inference.decode import SamplingConfig, speculative_generate
+from headstart.inference.generate import Speculator, SpeculatorError, TextStream, main
+from headstart.inference.medusa import MedusaProposer, medusa_logits
+from headstart.inference.tree import DraftInput, DynamicTreeConfig, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
 
 VOCAB = 128
 PROMPT_LEN = 8
@@ -287,7 +287,7 @@ def steady_timer(kind: str, size: int, run) -> float:
 
 
 def test_tree_auto_writes_tree_json_and_is_reused(saved, monkeypatch):
-    import inference.calibrate as calibrate_module
+    import headstart.inference.calibrate as calibrate_module
 
     model, _, heads_dir = saved
     monkeypatch.setattr(calibrate_module, "time_ms", steady_timer)  # no wall-clock timing: the choice is fixed
@@ -357,7 +357,7 @@ def test_sampling_end_to_end_matches_target_distribution(lookup):
     """The whole decode loop (tree forward, sampling acceptance, cache compaction) at temperature 1 on a
     vocab-8 model: the first three tokens follow the target's exact joint distribution (chi-square); with
     `lookup`, steps whose context repeats a token verify a chain from the context instead (inference/lookup.py)."""
-    from inference.lookup import LookupConfig
+    from headstart.inference.lookup import LookupConfig
 
     model = tiny_model("llama", vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
@@ -449,8 +449,8 @@ def test_tree_forward_reads_grouped_heads_without_copies(model_type, monkeypatch
     same logits as transformers' sdpa path, and leaves the model's attention setting as it was."""
     from transformers import DynamicCache
 
-    import inference.attention as attention
-    from inference.forward import compact_cache, target_forward
+    import headstart.inference.attention as attention
+    from headstart.inference.forward import compact_cache, target_forward
 
     model = tiny_model(model_type, vocab_size=VOCAB, seed=1)
     assert model.config._attn_implementation == "sdpa"
@@ -482,7 +482,7 @@ def test_tree_forward_reads_grouped_heads_without_copies(model_type, monkeypatch
 def test_real_embedded_target_greedy_exact():
     """SmolLM2-135M-Instruct (the embedded default), fp32: speculative greedy == model.generate."""
     pytest.importorskip("gguf")
-    from heads.target import TargetLoadError, load_target
+    from headstart.heads.target import TargetLoadError, load_target
 
     try:
         model, tok, info = load_target("smollm2-135m")

@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from inference.decode import speculative_generate
-from inference.generate import Speculator
+from headstart.inference.decode import speculative_generate
+from headstart.inference.generate import Speculator
 import random
 
-from inference.lookup import ContextIndex, LookupConfig, chain_draft, lookup_continuation
+from headstart.inference.lookup import ContextIndex, LookupConfig, chain_draft, lookup_continuation
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

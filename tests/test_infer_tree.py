@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, default_choices, best_choices, build_dynamic_tree,
+from headstart.inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, default_choices, best_choices, build_dynamic_tree,
                             expected_accept_length, path_value, static_tree_tokens, tree_choices, tree_from_choices)
 
 CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

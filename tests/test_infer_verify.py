@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from inference.tree import DynamicTreeConfig, build_dynamic_tree, static_tree_tokens, tree_from_choices
-from inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
+from headstart.inference.tree import DynamicTreeConfig, build_dynamic_tree, static_tree_tokens, tree_from_choices
+from headstart.inference.verify import greedy_accept, sample_accept, target_probs, typical_accept
 
 V = 8  # stub vocabulary
 

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def target_gguf() -> str:
-    from heads.target import embedded_gguf_path
+    from headstart.heads.target import embedded_gguf_path
 
     return os.environ.get("HEADSTART_LLAMACPP_TARGET_GGUF") or str(embedded_gguf_path())
 
@@ -47,8 +47,8 @@ def target_gguf() -> str:
 @pytest.fixture(scope="module")
 def random_heads(tmp_path_factory, embedded_target):
     """Seeded random EAGLE-3 (norms llama.cpp runs) and DFlash heads for the embedded target."""
-    from heads.dflash import DFlashDraft, dflash_config_for
-    from heads.eagle import EagleDraft, eagle_config_for
+    from headstart.heads.dflash import DFlashDraft, dflash_config_for
+    from headstart.heads.eagle import EagleDraft, eagle_config_for
 
     model, _, info = embedded_target
     root = tmp_path_factory.mktemp("llamacpp-heads")
@@ -72,7 +72,7 @@ def run_check(heads: list[str], out: Path, *extra: str) -> dict:
 
 
 def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
-    from heads.served_speed import read_engines
+    from headstart.heads.served_speed import read_engines
 
     results = run_check(random_heads, tmp_path / "check", "--per_category", "1", "--num_prompts", "2",
                         "--max_new_tokens", "24", "--rounds", "1", "--write_engines")

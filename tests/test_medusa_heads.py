@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.directory import HeadsLoadError
-from heads.load import load_heads, load_heads_and_target
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import load_target, target_info
-from train.data import DataError, collate, shard_epoch, shifted_labels, split_eval, truncate_rows
-from train.features import final_hidden
-from train.medusa import head_targets, target_probs, weighted_head_ce
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.load import load_heads, load_heads_and_target
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import load_target, target_info
+from headstart.train.data import DataError, collate, shard_epoch, shifted_labels, split_eval, truncate_rows
+from headstart.train.features import final_hidden
+from headstart.train.medusa import head_targets, target_probs, weighted_head_ce
 
 from conftest import tiny_model
 

@@ -14,13 +14,13 @@ import datasets
 import pytest
 import torch
 
-from heads.load import load_heads, load_heads_and_target
-from heads.target import load_target
-from inference.ngram import NGRAM_FILE, NgramTable
-from train.config import ConfigError
-from train.data import DataError
-from heads.medusa import MedusaConfig, MedusaHeads
-from train.medusa import MedusaTrainConfig, block_groups, check_config, main
+from headstart.heads.load import load_heads, load_heads_and_target
+from headstart.heads.target import load_target
+from headstart.inference.ngram import NGRAM_FILE, NgramTable
+from headstart.train.config import ConfigError
+from headstart.train.data import DataError
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.train.medusa import MedusaTrainConfig, block_groups, check_config, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -252,8 +252,8 @@ def test_medusa2_starts_from_medusa1_heads_with_a_draft_vocabulary(tiny_target_d
     other rows (whose own most frequent tokens differ). At learning rate 0 nothing moves, so the heads written are
     exactly the Medusa-1 heads (token_map included) and the untouched adapter agrees with the target everywhere;
     trained, the heads move and keep the Medusa-1 draft vocabulary."""
-    from heads.eagle import most_frequent_tokens
-    from train.data import supervised_token_counts
+    from headstart.heads.eagle import most_frequent_tokens
+    from headstart.train.data import supervised_token_counts
 
     _, _, info = load_target(str(tiny_target_dir))
     shape = ["--share_lm_head", "true", "--draft_vocab_size", "24"]
@@ -283,8 +283,8 @@ def test_medusa2_starts_from_medusa1_heads_with_a_draft_vocabulary(tiny_target_d
 def test_smollm2_medusa2_recipe_fits_the_medusa1_heads():
     """recipes/smollm2-135m/medusa2.yaml starts from the heads of medusa.yaml (its launch command): same data, and
     the head shape init_heads_from checks."""
-    from train.config import parse_config
-    from train.medusa import MedusaTrainConfig
+    from headstart.train.config import parse_config
+    from headstart.train.medusa import MedusaTrainConfig
 
     medusa1, medusa2 = (parse_config(MedusaTrainConfig, ["--config", str(REPO / "recipes" / "smollm2-135m" / name)])
                         for name in ("medusa.yaml", "medusa2.yaml"))
@@ -346,8 +346,8 @@ def test_failed_push_of_an_engine_export_keeps_both_copies(tiny_target_dir, sd_d
 
 
 def test_every_medusa_recipe_parses():
-    from train.config import parse_config
-    from train.medusa import MedusaTrainConfig, check_config
+    from headstart.train.config import parse_config
+    from headstart.train.medusa import MedusaTrainConfig, check_config
 
     recipes = sorted((REPO / "recipes").glob("*/medusa*.yaml"))
     assert len(recipes) >= 4
@@ -360,7 +360,7 @@ def test_draft_vocabulary_is_the_most_frequent_tokens(tiny_target_dir, sd_dir, t
     """--draft_vocab_size 24: token_map = the 24 most frequent target-written training tokens; the heads score
     only those; held-out ranks count a token outside them as a miss; a run stopped and resumed writes exactly the
     heads (token_map included) of the uninterrupted run."""
-    from train.data import supervised_token_counts
+    from headstart.train.data import supervised_token_counts
 
     common = ["--num_epochs", "2", "--draft_vocab_size", "24", "--checkpoint_every", "4"]
     metrics = main(base_args(tiny_target_dir, sd_dir, tmp_path, *common))

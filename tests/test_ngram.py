@@ -10,10 +10,10 @@ from safetensors.torch import save_file
 from test_adapt import _lm_heads
 from test_infer_generate import _first_diff, reference
 
-from heads.directory import HeadsLoadError
-from inference.adapt import AdaptConfig, AdaptivePolicy
-from inference.generate import Speculator
-from inference.ngram import NGRAM_FILE, STOP, NgramConfig, NgramTable
+from headstart.heads.directory import HeadsLoadError
+from headstart.inference.adapt import AdaptConfig, AdaptivePolicy
+from headstart.inference.generate import Speculator
+from headstart.inference.ngram import NGRAM_FILE, STOP, NgramConfig, NgramTable
 
 # 1 and 5 are the prompt's (loss_mask 0); the target wrote 6 7 5 6 8
 ROWS = [{"input_ids": [1, 5, 6, 7, 5, 6, 8], "loss_mask": [0, 0, 1, 1, 1, 1, 1]}]

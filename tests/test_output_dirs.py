@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.export import export_heads
-from heads.export import main as export_main
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_dir, claim_output_dir,
+from headstart.heads.export import export_heads
+from headstart.heads.export import main as export_main
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_dir, claim_output_dir,
                               write_file)
-from heads.target import load_target
+from headstart.heads.target import load_target
 from test_medusa_train import base_args, heads_state, write_selfdistilled
 from test_safety import heads_dir  # noqa: F401  (a fixture: 2-head Medusa on the tiny target)
 from test_selfdistill import tiny_cfg, write_prompts
-from train.loop import train_run_kind
-from train.selfdistill import run_selfdistill
+from headstart.train.loop import train_run_kind
+from headstart.train.selfdistill import run_selfdistill
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -79,10 +79,10 @@ def sd_dir(tiny_target_dir, tmp_path_factory):
 
 def every_cli(tiny_target_dir, sd_dir, heads_dir, prompts):
     """(name, run(out)) for each CLI with its output flag set to `out`; run returns the exit code (2: refused)."""
-    from inference.bench import main as bench_main
-    from train.dflash import main as dflash_main
-    from train.eagle import main as eagle_main
-    from train.medusa import main as medusa_main
+    from headstart.inference.bench import main as bench_main
+    from headstart.train.dflash import main as dflash_main
+    from headstart.train.eagle import main as eagle_main
+    from headstart.train.medusa import main as medusa_main
 
     def raises(fn):
         def run(out):
@@ -188,7 +188,7 @@ def test_tree_auto_never_writes_through_a_linked_tree_json(heads_dir, tmp_path, 
     """tree.json a link to a file outside the heads dir: calibration keeps its tree in memory, says why in one
     note; the file it points at and the link stay as they were."""
     from conftest import tiny_model
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     heads = tmp_path / "heads"
     shutil.copytree(heads_dir, heads)
@@ -215,7 +215,7 @@ def test_a_second_trainer_on_a_held_output_dir_is_refused_and_the_first_runs_hea
                                                                                          tmp_path):
     """While a trainer holds the output_dir (its lock, taken here as start_run takes it), a second trainer exits with
     one line and writes nothing; once it is free, a rerun of the same kind proceeds."""
-    from train.medusa import main as medusa_main
+    from headstart.train.medusa import main as medusa_main
 
     out = tmp_path / "run"
     medusa_main(base_args(tiny_target_dir, sd_dir, out, "--max_steps", "2"))
@@ -297,7 +297,7 @@ def test_a_full_disk_at_the_start_is_one_line_and_leaves_no_lock_file(tiny_targe
 def test_a_full_disk_while_self_distilling_is_one_line_and_keeps_the_batches(tiny_target_dir, tmp_path, monkeypatch):
     """The disk fills after the first batch: OutputDirError naming it (one line, exit 2 under run_main), the batch
     written is kept, the lock is released and gone; a rerun resumes."""
-    import train.selfdistill as sd
+    import headstart.train.selfdistill as sd
 
     prompts = write_prompts(tmp_path / "p.jsonl", 6, turns=1)
     out = tmp_path / "sd"
@@ -326,9 +326,9 @@ def test_a_full_disk_while_self_distilling_is_one_line_and_keeps_the_batches(tin
 def test_files_get_the_users_umask(tiny_target_dir, sd_dir, tmp_path, monkeypatch):
     """Under umask 022: heads, n-gram table, checkpoints, exports, feature shards and the target cache are 0644 / 0755,
     not safetensors' 0600 and mkdtemp's 0700."""
-    import heads.target as target_module
-    from train.feature_shards import write_shard
-    from train.medusa import main as medusa_main
+    import headstart.heads.target as target_module
+    from headstart.train.feature_shards import write_shard
+    from headstart.train.medusa import main as medusa_main
 
     old = os.umask(0o022)
     try:
@@ -354,8 +354,8 @@ def test_files_get_the_users_umask(tiny_target_dir, sd_dir, tmp_path, monkeypatc
 
 def test_a_trainer_refuses_its_data_dir_as_output_dir(tiny_target_dir, sd_dir):
     """Refused before anything is read or self-distilled: the trainer's files go into a folder of their own."""
-    from train.config import ConfigError
-    from train.medusa import main as medusa_main
+    from headstart.train.config import ConfigError
+    from headstart.train.medusa import main as medusa_main
 
     before = tree_of(sd_dir)
     with pytest.raises(ConfigError, match="output_dir and data_dir are one directory"):
@@ -363,7 +363,7 @@ def test_a_trainer_refuses_its_data_dir_as_output_dir(tiny_target_dir, sd_dir):
     assert tree_of(sd_dir) == before
 
 
-@pytest.mark.parametrize("module", ["inference.acceptance", "inference.replay"])
+@pytest.mark.parametrize("module", ["headstart.inference.acceptance", "headstart.inference.replay"])
 def test_a_linked_output_file_is_refused_before_the_run(tmp_path, capsys, module):
     """--output of the acceptance and replay tables never writes through a link: refused (exit 2) before any heads or
     prompts are read, the file the link points to unchanged."""
@@ -383,7 +383,7 @@ def test_a_linked_output_file_is_refused_before_the_run(tmp_path, capsys, module
 def test_generate_writes_nothing_but_its_heads_tree_json(tiny_target_dir, heads_dir, tmp_path, monkeypatch, capsys):
     """generate has no output directory: run from a folder of a user's files (and a copy of the repository), with
     --tree auto, it changes nothing there; in the heads directory it adds tree.json and nothing else."""
-    from inference.generate import main as generate_main
+    from headstart.inference.generate import main as generate_main
 
     heads = tmp_path / "heads-copy"
     shutil.copytree(heads_dir, heads)

@@ -2,9 +2,9 @@
 
 import json
 
-from heads.load import load_heads
-from train.medusa import main as medusa_main
-from train.selfdistill import load_selfdistilled
+from headstart.heads.load import load_heads
+from headstart.train.medusa import main as medusa_main
+from headstart.train.selfdistill import load_selfdistilled
 
 
 def test_medusa_self_distils_first_when_data_is_missing(tiny_target_dir, tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from heads.prompts import MIX, PromptSourceError, load_prompts
+from headstart.heads.prompts import MIX, PromptSourceError, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_SOURCES = ["humaneval", "writing", "mix:heldout", "chitchat:heldout", "pycode:heldout", "passages:heldout",
@@ -18,7 +18,7 @@ EVAL_SOURCES = ["humaneval", "writing", "mix:heldout", "chitchat:heldout", "pyco
 
 def training_sources() -> list[str]:
     """Every training family, the default mix, and the prompts of every recipe and of the trainers' defaults."""
-    from train.selfdistill import SelfDistillConfig
+    from headstart.train.selfdistill import SelfDistillConfig
 
     specs = {"mix:train", SelfDistillConfig.prompts, *(part.format(split="train").split("*")[0] for part in MIX)}
     for recipe in ROOT.glob("recipes/**/*.yaml"):
@@ -46,7 +46,7 @@ def test_training_source_has_no_evaluation_prompt(spec, eval_prompts):
 
 
 def test_heldout_passages_and_sentences_are_in_no_training_prompt():
-    from heads.prompt_families import doc_passages, english_sentences, in_split
+    from headstart.heads.prompt_families import doc_passages, english_sentences, in_split
 
     train_text = "\n".join(fold(turn) for spec in ("passages:train", "translate:train")
                            for row in load_prompts(spec).rows for turn in row.turns)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from heads.prompts import PromptSourceError, load_prompts, parse_row, prompt_key
+from headstart.heads.prompts import PromptSourceError, load_prompts, parse_row, prompt_key
 
 
 def test_every_schema_parses_and_malformed_rows_are_counted(tmp_path):

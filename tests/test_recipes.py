@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from train.config import parse_config
-from train.dflash import DFlashTrainConfig
-from train.eagle import EagleTrainConfig
-from train.medusa import MedusaTrainConfig
-from train.selfdistill import SelfDistillConfig
+from headstart.train.config import parse_config
+from headstart.train.dflash import DFlashTrainConfig
+from headstart.train.eagle import EagleTrainConfig
+from headstart.train.medusa import MedusaTrainConfig
+from headstart.train.selfdistill import SelfDistillConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig, "eagle": EagleTrainConfig,

@@ -8,11 +8,11 @@ import pytest
 import torch
 from test_bench import save_heads
 
-from heads.chat import prompt_ids, stop_token_ids
-from heads.prompts import load_prompts
-from inference.replay import METHODS, accepted_path, main, modeled, references
-from inference.speculator import Speculator
-from inference.tree import tree_from_choices
+from headstart.heads.chat import prompt_ids, stop_token_ids
+from headstart.heads.prompts import load_prompts
+from headstart.inference.replay import METHODS, accepted_path, main, modeled, references
+from headstart.inference.speculator import Speculator
+from headstart.inference.tree import tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

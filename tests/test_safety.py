@@ -16,20 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.directory import HeadsLoadError
-from heads.export import ExportError, export_heads
-from heads.load import load_heads, load_heads_and_target
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.output_dir import OutputDirError
-from heads.prompts import PromptSourceError, load_prompts
-from heads.target import load_target
-from inference.decode import SpeculatorError
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.export import ExportError, export_heads
+from headstart.heads.load import load_heads, load_heads_and_target
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.output_dir import OutputDirError
+from headstart.heads.prompts import PromptSourceError, load_prompts
+from headstart.heads.target import load_target
+from headstart.inference.decode import SpeculatorError
 from test_medusa_train import base_args, heads_state, write_selfdistilled
 from test_selfdistill import tiny_cfg, write_prompts
-from train.config import ConfigError, parse_config
-from train.medusa import MedusaTrainConfig
-from train.medusa import main as medusa_main
-from train.selfdistill import run_selfdistill
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.medusa import MedusaTrainConfig
+from headstart.train.medusa import main as medusa_main
+from headstart.train.selfdistill import run_selfdistill
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -153,7 +153,7 @@ def test_resume_cli_refuses_a_payload_in_one_line(tiny_target_dir, sd_dir, tmp_p
 def test_full_disk_while_checkpointing_keeps_the_last_checkpoint(tiny_target_dir, sd_dir, tmp_path, monkeypatch):
     """torch.save raising ENOSPC (monkeypatched) at the step-4 checkpoint: named with its path, step-2 kept, no
     partial folder; --resume then finishes with the weights of an uninterrupted run."""
-    from train.cli import CheckpointError
+    from headstart.train.cli import CheckpointError
 
     common = ["--max_steps", "6", "--checkpoint_every", "2"]
     medusa_main(base_args(tiny_target_dir, sd_dir, tmp_path / "full", *common))
@@ -181,7 +181,7 @@ def test_full_disk_at_the_final_save_keeps_the_heads(tiny_target_dir, sd_dir, tm
     the system temp dir instead and the error says where; no partial heads dir is left."""
     import safetensors.torch
 
-    from train.cli import CheckpointError
+    from headstart.train.cli import CheckpointError
 
     out = tmp_path / "run"
     real = safetensors.torch.save_model
@@ -203,7 +203,7 @@ def test_full_disk_at_the_final_save_keeps_the_heads(tiny_target_dir, sd_dir, tm
 
 
 def test_full_tmpfs_while_checkpointing_is_named(tiny_target_dir, sd_dir, tiny_disk):
-    from train.cli import CheckpointError
+    from headstart.train.cli import CheckpointError
 
     out = tiny_disk / "run"
     with pytest.raises(CheckpointError, match=r"could not write checkpoint .*: no space left on device") as err:
@@ -234,14 +234,14 @@ def heads_dir(tiny_target_dir, tmp_path_factory):
     ("[[0.5]]", "non-negative integer ranks"),
 ])
 def test_bad_trees_are_one_clear_error(heads_dir, tree, words):
-    from inference.speculator import Speculator
+    from headstart.inference.speculator import Speculator
 
     with pytest.raises(SpeculatorError, match=r"tree .*" + __import__("re").escape(words)):
         Speculator.from_pretrained(heads_dir, tree=tree)
 
 
 def test_generate_cli_bad_tree_and_missing_target_exit_2(heads_dir, tmp_path, capsys):
-    from inference.generate import main
+    from headstart.inference.generate import main
 
     assert main(["--heads", str(heads_dir), "--prompt", "hi", "--tree", "[1, 2]"]) == 2
     assert "not a non-empty list of ranks" in capsys.readouterr().err
@@ -310,7 +310,7 @@ def test_a_second_run_on_a_locked_output_dir_is_refused(tiny_target_dir, tmp_pat
 
 def test_server_url_with_v1_works_and_a_404_names_the_url(tiny_target_dir):
     from fake_openai import FakeServer
-    from train.engines import EngineError, OpenAIEngine
+    from headstart.train.engines import EngineError, OpenAIEngine
 
     _, tokenizer, _ = load_target(str(tiny_target_dir))
     server = FakeServer(tiny_target_dir).start()
@@ -332,7 +332,7 @@ def test_server_url_with_v1_works_and_a_404_names_the_url(tiny_target_dir):
 
 def test_bad_learning_rates_and_output_dir_are_config_errors(tmp_path):
     """Refused by name before any target loads (the target here does not exist)."""
-    from train.medusa import check_config
+    from headstart.train.medusa import check_config
 
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: [0.003]\n")
@@ -353,9 +353,9 @@ def test_bad_learning_rates_and_output_dir_are_config_errors(tmp_path):
 
 
 def test_embedded_target_export_into_run_refused_and_resume_runs_no_code(tmp_path):
-    """SmolLM2-135M, 2 steps, tiny synthetic data: `heads.export RUN/heads RUN --overwrite` exits 2 and leaves the run
+    """SmolLM2-135M, 2 steps, tiny synthetic data: `headstart.heads.export RUN/heads RUN --overwrite` exits 2 and leaves the run
     byte for byte; a payload in every pickle-format file of its last checkpoint does not run on --resume."""
-    from heads.export import main as export_main
+    from headstart.heads.export import main as export_main
 
     sd = write_selfdistilled(tmp_path / "sd", "smollm2-135m", num_rows=8)
     run = tmp_path / "run"

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.prompts import PromptRow
-from heads.target import TargetLoadError, load_target
-from train.config import ConfigError, parse_config
-from heads.chat import stop_token_ids
-from train.engines import HFEngine
-from train.data import DataError
-from train.selfdistill import (SelfDistillConfig, deal_batches, distill_batch, load_selfdistilled, render_with_mask,
+from headstart.heads.prompts import PromptRow
+from headstart.heads.target import TargetLoadError, load_target
+from headstart.train.config import ConfigError, parse_config
+from headstart.heads.chat import stop_token_ids
+from headstart.train.engines import HFEngine
+from headstart.train.data import DataError
+from headstart.train.selfdistill import (SelfDistillConfig, deal_batches, distill_batch, load_selfdistilled, render_with_mask,
                                row_cost, run_selfdistill)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_render_with_mask_keeps_eos_only_when_target_wrote_it(tiny_target_dir):
 # a known point, not a timer.
 KILLED_AFTER_TWO_BATCHES = """
 import os, signal, sys
-import train.selfdistill as sd
+import headstart.train.selfdistill as sd
 write, batches = sd._write_json_atomic, []
 def write_then_die(path, payload):
     write(path, payload)
@@ -238,7 +238,7 @@ def test_a_run_with_no_conversation_is_an_error_not_an_empty_dataset(tiny_target
 def test_bad_generation_flags_are_refused_before_anything_runs(tmp_path, flag, value):
     """Self-distillation's numbers are checked like the trainers' (train/config.py check_number): one line naming the
     flag, nothing written."""
-    from train.selfdistill import check_selfdistill_config
+    from headstart.train.selfdistill import check_selfdistill_config
 
     cfg = tiny_cfg("unused", "", tmp_path / "out", **{flag: value})
     with pytest.raises(ConfigError, match=rf"^{flag} must be a number .*pass another --{flag}$"):

@@ -13,13 +13,13 @@ import pytest
 
 from conftest import no_model_built
 from fake_openai import FakeServer, FakeSettings
-from heads.chat import stop_token_ids
-from heads.prompts import PromptRow
-from heads.target import load_target
+from headstart.heads.chat import stop_token_ids
+from headstart.heads.prompts import PromptRow
+from headstart.heads.target import load_target
 from test_selfdistill import check_mask_matches_answers, read_rows, tiny_cfg, write_prompts
 from test_vllm import PYTHON as VLLM_PYTHON
-from train.engines import EngineError, OpenAIEngine
-from train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistilled, run_selfdistill
+from headstart.train.engines import EngineError, OpenAIEngine
+from headstart.train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistilled, run_selfdistill
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def test_vllm_backend_loss_mask_is_exact_on_embedded_target(embedded_target, tmp
     path = tmp_path / "p.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [{"id": "a", "turns": ["Hi! How are you?", "What is your name?"]},
                                                        {"id": "b", "turns": ["Say hello."]}]))
-    probe = subprocess.run([VLLM_PYTHON, "-c", "import heads.chat, accelerate, datasets"], cwd=tmp_path,
+    probe = subprocess.run([VLLM_PYTHON, "-c", "import headstart.heads.chat, accelerate, datasets"], cwd=tmp_path,
                            capture_output=True, text=True)
     assert probe.returncode == 0, (f"headstart, accelerate or datasets does not import in the vLLM venv ({VLLM_PYTHON}):"
                                    " install them there (docs/serving.md, 'vLLM in its own virtual environment'): "

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from heads.chat import render_chat, stop_token_ids
-from inference.cpu_linear import linear_kernel
+from headstart.heads.chat import render_chat, stop_token_ids
+from headstart.inference.cpu_linear import linear_kernel
 from test_selfdistill import read_rows, tiny_cfg, write_prompts
-from train.bench_selfdistill import generate_padded
-from train.packed_decode import PackedDecoder, prefix_reusable, shared_prefix
-from train.selfdistill import run_selfdistill
+from headstart.train.bench_selfdistill import generate_padded
+from headstart.train.packed_decode import PackedDecoder, prefix_reusable, shared_prefix
+from headstart.train.selfdistill import run_selfdistill
 
 STOP = {3}
 

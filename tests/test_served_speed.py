@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from heads.directory import HeadsLoadError
-from heads.export import export_heads, main
-from heads.served_speed import (PAYS_AT, PRIORS, EngineRecord, choose_draft_length, expected_acceptance,
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.export import export_heads, main
+from headstart.heads.served_speed import (PAYS_AT, PRIORS, EngineRecord, choose_draft_length, expected_acceptance,
                                 predict_at, read_engines, record_engine_run)
 from test_bad_files import commands
 from test_export import dflash_dir, eagle_dir, make_target, medusa_dir

@@ -10,12 +10,12 @@ import threading
 
 import pytest
 
-from heads.target import load_target
+from headstart.heads.target import load_target
 from test_safety import assert_one_line_error, cli
 from test_selfdistill import tiny_cfg, write_prompts
-import train.engines as engines
-from train.engines import EngineError, OpenAIEngine
-from train.selfdistill import load_selfdistilled, run_selfdistill
+import headstart.train.engines as engines
+from headstart.train.engines import EngineError, OpenAIEngine
+from headstart.train.selfdistill import load_selfdistilled, run_selfdistill
 
 # each malformed reply: the words its error names (the problem, then the fix)
 MALFORMED = {
@@ -189,7 +189,7 @@ class RecordingBar:
 
 
 def test_progress_bar_counts_prompts_as_they_are_answered(tiny_target_dir, tmp_path, monkeypatch):
-    import train.selfdistill as selfdistill
+    import headstart.train.selfdistill as selfdistill
 
     RecordingBar.made = []
     monkeypatch.setattr(selfdistill, "tqdm", RecordingBar)

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import no_model_built, tiny_chat_tokenizer, tiny_model
-from heads.chat import stop_token_ids
-from heads.target import load_target, load_target_without_model
+from headstart.heads.chat import stop_token_ids
+from headstart.heads.target import load_target, load_target_without_model
 
 SAVES = {  # name -> (model overrides, save_pretrained kwargs, dtype the weights are stored in)
     "fp32": ({}, {}, torch.float32),

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from heads.chat import prompt_ids
-from heads.prompts import load_prompts
-from inference.generate import Speculator
+from headstart.heads.chat import prompt_ids
+from headstart.heads.prompts import load_prompts
+from headstart.inference.generate import Speculator
 
 HEADS = Path(__file__).parent / "data" / "smollm2-135m-medusa"
 

@@ -17,8 +17,8 @@ import torch
 from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-layer target, its greedy rows)
 from test_eagle_train import args as eagle_args
 from test_medusa_train import base_args, write_selfdistilled
-from train.config import ConfigError, parse_config
-from train.data import DataError
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.data import DataError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def poison_shard(path: Path, row: int) -> None:
 def test_nan_in_a_feature_cache_shard_exits_2_naming_the_file(tiny_target_dir, medusa_sd, tmp_path):
     """The issue's probe: NaN in one cache shard gave exit 0, NaN heads and held-out top-1 .83. Now one line naming
     the shard, exit 2, and no heads directory."""
-    from train.medusa import main
+    from headstart.train.medusa import main
 
     cache = tmp_path / "cache"
     with_cache = ["--feature_cache_dir", cache, "--feature_cache_shard_rows", "10"]
@@ -74,8 +74,8 @@ def test_nan_in_a_feature_cache_shard_exits_2_naming_the_file(tiny_target_dir, m
 def test_a_non_finite_loss_stops_training_at_its_step(tiny_target_dir, medusa_sd, tmp_path, monkeypatch):
     """NaN features of one training row (in memory): the run stops at the first step whose loss is NaN, with one
     line naming the step and the likely causes; no heads directory; the logged steps before it are finite."""
-    from train import features
-    from train.medusa import main
+    from headstart.train import features
+    from headstart.train.medusa import main
 
     compute = features.FeatureSource.compute
 
@@ -96,7 +96,7 @@ def test_a_non_finite_loss_stops_training_at_its_step(tiny_target_dir, medusa_sd
 
 
 def test_truth_rank_never_counts_a_non_finite_row_as_a_hit():
-    from train.loop import truth_rank
+    from headstart.train.loop import truth_rank
 
     logits = torch.tensor([[3.0, 1.0, 2.0], [float("nan")] * 3, [1.0, float("nan"), 0.0], [float("inf"), 0.0, 1.0],
                            [0.0, 1.0, 2.0]])
@@ -110,9 +110,9 @@ def test_medusa_evaluation_of_nan_heads_scores_no_hits(tiny_target_dir, medusa_s
     import datasets
     from accelerate import Accelerator
 
-    from heads.medusa import MedusaConfig, MedusaHeads
-    from heads.target import load_target
-    from train.medusa import MedusaTrainConfig, evaluate
+    from headstart.heads.medusa import MedusaConfig, MedusaHeads
+    from headstart.heads.target import load_target
+    from headstart.train.medusa import MedusaTrainConfig, evaluate
 
     target, tokenizer, info = load_target(str(tiny_target_dir))
     heads = MedusaHeads(MedusaConfig(hidden_size=info.hidden_size, vocab_size=info.vocab_size, num_heads=3,
@@ -143,18 +143,18 @@ def nan_weights_after_training(module, monkeypatch):
 
 
 def test_eagle_evaluation_of_a_nan_draft_scores_no_hits(llama_dir, sd_dir, tmp_path, monkeypatch, one_thread):
-    import train.eagle
+    import headstart.train.eagle
 
-    nan_weights_after_training(train.eagle, monkeypatch)
-    metrics = train.eagle.main(eagle_args(llama_dir, sd_dir, tmp_path, "eagle3", "--max_steps", "1"))
+    nan_weights_after_training(headstart.train.eagle, monkeypatch)
+    metrics = headstart.train.eagle.main(eagle_args(llama_dir, sd_dir, tmp_path, "eagle3", "--max_steps", "1"))
     assert metrics["top1"] == [0.0] * 3 and metrics["top5"] == [0.0] * 3 and metrics["chain_accepted_tokens"] == 0
 
 
 def test_dflash_evaluation_of_a_nan_draft_scores_no_hits(llama_dir, sd_dir, tmp_path, monkeypatch, one_thread):
-    import train.dflash
+    import headstart.train.dflash
 
-    nan_weights_after_training(train.dflash, monkeypatch)
-    metrics = train.dflash.main(["--target", str(llama_dir), "--data_dir", str(sd_dir), "--output_dir", str(tmp_path),
+    nan_weights_after_training(headstart.train.dflash, monkeypatch)
+    metrics = headstart.train.dflash.main(["--target", str(llama_dir), "--data_dir", str(sd_dir), "--output_dir", str(tmp_path),
                                  "--per_device_batch_size", "2", "--eval_rows", "4", "--feature_layers", "1", "2", "3",
                                  "--block_size", "4", "--anchors_per_row", "4", "--draft_vocab_size", "64",
                                  "--max_steps", "1"])
@@ -214,7 +214,7 @@ def alias_bomb(levels: int, width: int) -> str:
 
 @pytest.mark.parametrize("levels, width", [(6, 9), (12, 12)])  # 9**6 = 531441 leaves; 12**12 = 8.9e12
 def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, levels, width):
-    from train.medusa import MedusaTrainConfig
+    from headstart.train.medusa import MedusaTrainConfig
 
     recipe = tmp_path / "bomb.yaml"
     recipe.write_text(alias_bomb(levels, width))
@@ -233,7 +233,7 @@ def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, levels, width):
     (b"num_epochs: 2\ntarget: caf\xe9\n", "is not UTF-8 text (byte 0xe9 at offset 25): save it as UTF-8"),
 ])
 def test_a_broken_recipe_is_one_line_naming_the_file(tmp_path, content, expected):
-    from train.medusa import MedusaTrainConfig
+    from headstart.train.medusa import MedusaTrainConfig
 
     recipe = tmp_path / "bad.yaml"
     recipe.write_bytes(content)
@@ -249,7 +249,7 @@ def test_a_broken_recipe_is_one_line_naming_the_file(tmp_path, content, expected
 
 def test_a_truncated_feature_shard_is_named_and_written_again(tiny_target_dir, medusa_sd, tmp_path, capsys):
     """The issue's probe: a cut shard printed "0 to write", then crashed on every rerun without naming the file."""
-    from train.medusa import main
+    from headstart.train.medusa import main
 
     cache = tmp_path / "cache"
     with_cache = ["--feature_cache_dir", cache, "--feature_cache_shard_rows", "10"]
@@ -268,7 +268,7 @@ def test_a_truncated_feature_shard_is_named_and_written_again(tiny_target_dir, m
 def test_shard_problem_names_what_is_wrong(tmp_path):
     from safetensors.torch import save_file
 
-    from train.feature_shards import shard_problem, write_shard
+    from headstart.train.feature_shards import shard_problem, write_shard
 
     path = tmp_path / "shard.safetensors"
     rows = [(None, torch.randn(3, 8)), (None, torch.randn(5, 8))]
@@ -288,8 +288,8 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 # case 19: --help
 
 
-SCRIPTS = ["train.medusa", "train.eagle", "train.dflash", "train.selfdistill", "train.bench_selfdistill", "heads.export",
-           "inference.replay", "inference.bench", "inference.forward", "inference.generate", "inference.acceptance",
+SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.selfdistill", "headstart.train.bench_selfdistill", "headstart.heads.export",
+           "headstart.inference.replay", "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate", "headstart.inference.acceptance",
            "scripts.vllm_check", "scripts.vllm_features", "scripts.llamacpp_check", "scripts.demo"]
 
 
@@ -332,12 +332,12 @@ def test_every_flag_of_every_script_has_a_help_text(module_name, monkeypatch):
 
 
 def test_a_trainer_help_shows_the_fields_comments(monkeypatch):
-    from train.config import field_help
-    from train.medusa import MedusaTrainConfig
+    from headstart.train.config import field_help
+    from headstart.train.medusa import MedusaTrainConfig
 
     helps = field_help(MedusaTrainConfig)
     assert helps["num_epochs"] == "passes over the training rows (unless max_steps is set)"
     assert helps["method"].startswith("medusa (Medusa-1, frozen target)")  # the subclass's comment wins
-    text = " ".join(script_parser("train.medusa", monkeypatch).format_help().split())  # argparse wraps help texts
+    text = " ".join(script_parser("headstart.train.medusa", monkeypatch).format_help().split())  # argparse wraps help texts
     assert "--num-epochs NUM_EPOCHS passes over the training rows (unless max_steps is set)" in text
     assert "-1 = 5% (at least 1)" in text

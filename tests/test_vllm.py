@@ -56,8 +56,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def random_heads(tmp_path_factory, embedded_target):
     """Seeded random EAGLE-3, EAGLE-1 and Medusa heads for the embedded target (they load; they accept little)."""
-    from heads.eagle import EagleDraft, eagle_config_for
-    from heads.medusa import MedusaConfig, MedusaHeads
+    from headstart.heads.eagle import EagleDraft, eagle_config_for
+    from headstart.heads.medusa import MedusaConfig, MedusaHeads
 
     model, _, info = embedded_target
     root = tmp_path_factory.mktemp("vllm-heads")
@@ -99,7 +99,7 @@ def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
 def test_speed_mode_measures_both_engines_and_writes_engines_json(random_heads, tmp_path):
     """`vllm_check.py speed`: both engines in one vLLM process, prompts alternated, fastest of 2 rounds; the record
     lands in the heads' engines.json as read_engines reads it (random heads: the figures themselves mean nothing)."""
-    from heads.served_speed import read_engines
+    from headstart.heads.served_speed import read_engines
 
     heads = tmp_path / "medusa" / "heads"
     shutil.copytree(random_heads[2], heads)  # engines.json goes into this copy
@@ -133,8 +133,8 @@ def test_feature_cache_from_vllm_matches_headstart(embedded_target, tmp_path):
     from accelerate import Accelerator
     from safetensors.torch import load_file
 
-    from train.feature_shards import shard_path
-    from train.features import FeatureSource, build_feature_cache, cache_identity
+    from headstart.train.feature_shards import shard_path
+    from headstart.train.features import FeatureSource, build_feature_cache, cache_identity
 
     model, tokenizer, info = embedded_target
     texts = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b",

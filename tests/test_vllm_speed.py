@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from heads.served_speed import EngineRecord, read_engines
-from train.engines import EngineError
+from headstart.heads.served_speed import EngineRecord, read_engines
+from headstart.train.engines import EngineError
 
 check = importlib.import_module("scripts.vllm_check")
 
@@ -127,8 +127,8 @@ def speed_args(tmp_path, tiny_target_dir, heads, python, *extra):
 
 @pytest.fixture
 def medusa_heads(tmp_path, tiny_target_dir):
-    from heads.medusa import MedusaConfig, MedusaHeads
-    from heads.target import load_target
+    from headstart.heads.medusa import MedusaConfig, MedusaHeads
+    from headstart.heads.target import load_target
 
     model, _, info = load_target(str(tiny_target_dir))
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """Self-distillation generation speed on the hf backend: tokens/s by batch size and method, on chat and code prompts.
 
-    python -m train.bench_selfdistill --num_prompts 96 --repeats 2 --threads 1
+    python -m headstart.train.bench_selfdistill --num_prompts 96 --repeats 2 --threads 1
 
 Methods, interleaved (every repeat runs each method at each of its batch sizes once, in turn):
 - `generate`: transformers `generate` over fixed left-padded batches of the length-sorted prompts (the hf engine
@@ -24,10 +24,10 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from heads.chat import render_chat, stop_token_ids
-from heads.prompts import load_prompts
-from heads.target import load_target
-from train.packed_decode import PackedDecoder
+from headstart.heads.chat import render_chat, stop_token_ids
+from headstart.heads.prompts import load_prompts
+from headstart.heads.target import load_target
+from headstart.train.packed_decode import PackedDecoder
 
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:

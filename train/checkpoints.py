@@ -24,10 +24,10 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
-from heads.output_dir import disk_full, honour_umask
-from train.cli import CheckpointError
-from train.config import TrainRunConfig
-from train.sharding import full_state, load_full_state
+from headstart.heads.output_dir import disk_full, honour_umask
+from headstart.train.cli import CheckpointError
+from headstart.train.config import TrainRunConfig
+from headstart.train.sharding import full_state, load_full_state
 
 PICKLE_SUFFIXES = (".bin", ".pkl", ".pt", ".pth")  # torch.save files: optimizer.bin, random_states_N.pkl, DeepSpeed's
 LAYOUT = "full-v1"  # trainer_state.json "layout": model.safetensors + optimizer.bin by name + RNG ("deepspeed": its own)

@@ -9,14 +9,14 @@ from typing import Callable
 
 import torch
 
-from heads.directory import HeadsLoadError
-from heads.export import ExportError
-from heads.output_dir import OutputDirError
-from heads.prompts import PromptSourceError
-from heads.target import TargetLoadError
-from train.config import ConfigError
-from train.data import DataError
-from train.engines import EngineError
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.export import ExportError
+from headstart.heads.output_dir import OutputDirError
+from headstart.heads.prompts import PromptSourceError
+from headstart.heads.target import TargetLoadError
+from headstart.train.config import ConfigError
+from headstart.train.data import DataError
+from headstart.train.engines import EngineError
 
 WATCHDOG_ENV = "HEADSTART_WATCHDOG_S"  # seconds: a process still running then prints its threads' stacks and exits 1
 

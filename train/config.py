@@ -26,7 +26,7 @@ from typing import Optional, TypeVar
 import yaml
 from transformers import HfArgumentParser
 
-from heads.target import resolve_dtype
+from headstart.heads.target import resolve_dtype
 
 T = TypeVar("T")
 

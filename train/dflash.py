@@ -39,15 +39,15 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 
-from heads.dflash import DFlashDraft, dflash_config_for
-from heads.eagle import most_frequent_tokens
-from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from train.data import collate, supervised_token_counts
-from train.features import FeatureSource, open_feature_source
-from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+from headstart.heads.dflash import DFlashDraft, dflash_config_for
+from headstart.heads.eagle import most_frequent_tokens
+from headstart.train.cli import run_main
+from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
+from headstart.train.data import collate, supervised_token_counts
+from headstart.train.features import FeatureSource, open_feature_source
+from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
                         truth_rank)
-from train.sharding import plain_model
+from headstart.train.sharding import plain_model
 
 
 @dataclass
@@ -323,7 +323,7 @@ Held-out accuracy at block slot j (the token j positions after the anchor):
 Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: {metrics['chain_accepted_tokens']:.3f}
 
 ```python
-from heads.load import load_heads
+from headstart.heads.load import load_heads
 draft = load_heads("THIS_DIR_OR_REPO", target_info)
 ```
 """

@@ -34,7 +34,7 @@ give the same loss and gradients as 1 process x batch N*b.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors), DIR/checkpoints,
 DIR/train_log.jsonl.
-Load the draft with `heads.load.load_heads(DIR/heads, target_info)`.
+Load the draft with `headstart.heads.load.load_heads(DIR/heads, target_info)`.
 metrics.json (held-out rows = the last `eval_rows` rows): per draft depth d = 1..eval_depth (the draft unrolled on its
 own outputs along the true tokens, as at inference): `top1`, `top5`, `rank_accuracy` [depth][10] (P(the data token is
 exactly the rank-r draft guess), for sizing trees), `eval_positions`; `chain_accepted_tokens` (mean drafted tokens a
@@ -53,15 +53,15 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
-from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from train.data import collate, shifted_labels, supervised_token_counts
-from train.eagle_unroll import UnrolledDraft
-from train.features import FeatureSource, open_feature_source
-from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+from headstart.heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
+from headstart.train.cli import run_main
+from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
+from headstart.train.data import collate, shifted_labels, supervised_token_counts
+from headstart.train.eagle_unroll import UnrolledDraft
+from headstart.train.features import FeatureSource, open_feature_source
+from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
                         truth_rank)
-from train.sharding import plain_model
+from headstart.train.sharding import plain_model
 
 
 @dataclass
@@ -358,7 +358,7 @@ Mean drafted tokens a greedy chain of {len(metrics['top1'])} would get accepted:
 Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}
 {coverage}
 ```python
-from heads.load import load_heads
+from headstart.heads.load import load_heads
 draft = load_heads("THIS_DIR_OR_REPO", target_info)
 ```
 """

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from heads.eagle import EagleDraft
+from headstart.heads.eagle import EagleDraft
 
 
 def ttt_mask(key_valid: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:

@@ -40,8 +40,8 @@ from typing import Callable, Optional
 import httpcore
 import httpx
 import torch
-from heads.target import EMBEDDED_ALIAS, embedded_local_dir
-from train.packed_decode import PackedDecoder
+from headstart.heads.target import EMBEDDED_ALIAS, embedded_local_dir
+from headstart.train.packed_decode import PackedDecoder
 
 BACKENDS = ("hf", "vllm", "openai")
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x ** 2  # café, 東京, 🙂"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from heads.output_dir import honour_umask
+from headstart.heads.output_dir import honour_umask
 
 
 def shard_path(cache_dir: Path, k: int) -> Path:

@@ -29,11 +29,11 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from heads.output_dir import write_file
-from heads.target import resolve_dtype
-from train.config import ConfigError, TrainRunConfig
-from train.data import DataError, pad_features
-from train.feature_shards import rows_sha256, shard_path, shard_problem, write_rows, write_shard
+from headstart.heads.output_dir import write_file
+from headstart.heads.target import resolve_dtype
+from headstart.train.config import ConfigError, TrainRunConfig
+from headstart.train.data import DataError, pad_features
+from headstart.train.feature_shards import rows_sha256, shard_path, shard_problem, write_rows, write_shard
 
 
 def final_hidden(target, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

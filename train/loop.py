@@ -8,7 +8,7 @@ what is its method's own: its model and parameter groups, one optimizer step's l
         finish_run(run, trained, evaluate(...), save, model_card, "head")
 
 Each optimizer step takes gradient_accumulation_steps global batches drawn from one seeded permutation per epoch
-(train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
+(headstart.train.data.shard_epoch): N processes x batch b see the batches of 1 process x batch N*b, and a resumed run
 (weights, optimizer, RNG; the LR schedule in trainer_state.json), with any number of processes at the same global
 batch, sees those of the uninterrupted run. Checkpoints and the heads directory are written by train/checkpoints.py;
 under FSDP (train/sharding.py) both hold the gathered tensors.
@@ -33,16 +33,16 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from heads.directory import push_heads_dir
-from heads.export import ExportError, export_and_push
-from heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir
-from heads.target import load_target
-from inference.ngram import NGRAM_FILE, NgramTable
-from train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
-from train.config import ConfigError, TrainRunConfig, build_config
-from train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
-from train.muon import MuonAdamW
-from train.sharding import count_deepspeed_processes_on_cpu, describe_sharding, enable_fsdp_on_cpu, use_cpu_flag
+from headstart.heads.directory import push_heads_dir
+from headstart.heads.export import ExportError, export_and_push
+from headstart.heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir
+from headstart.heads.target import load_target
+from headstart.inference.ngram import NGRAM_FILE, NgramTable
+from headstart.train.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint, write_dir
+from headstart.train.config import ConfigError, TrainRunConfig, build_config
+from headstart.train.data import DataError, check_columns, collate, shard_epoch, split_eval, truncate_rows
+from headstart.train.muon import MuonAdamW
+from headstart.train.sharding import count_deepspeed_processes_on_cpu, describe_sharding, enable_fsdp_on_cpu, use_cpu_flag
 
 # ----------------------------------------------------------------------------------------------------
 # data, accelerator, frozen target; the log
@@ -50,7 +50,7 @@ from train.sharding import count_deepspeed_processes_on_cpu, describe_sharding, 
 
 def ensure_data(cfg: TrainRunConfig):
     """(dataset, meta) from cfg.data_dir; self-distils first (on all processes) when there is none yet."""
-    from train.selfdistill import SelfDistillConfig, load_selfdistilled, run_selfdistill
+    from headstart.train.selfdistill import SelfDistillConfig, load_selfdistilled, run_selfdistill
 
     data_dir = Path(cfg.data_dir)
     if not (data_dir / "dataset").is_dir() or not (data_dir / "meta.json").is_file():
@@ -105,12 +105,12 @@ class Run:
     output_dir: Path
     dtype: str  # the target's
     target: Any  # frozen (Medusa-2 wraps it with LoRA afterwards)
-    info: Any  # heads.target.TargetInfo
+    info: Any  # headstart.heads.target.TargetInfo
     pad_id: int
     train_rows: list[dict]
     eval_rows: list[dict]
     stats: dict
-    claim: Any = None  # heads.output_dir.OutputDirClaim: the output_dir's lock, released when the run ends
+    claim: Any = None  # headstart.heads.output_dir.OutputDirClaim: the output_dir's lock, released when the run ends
 
 
 def train_run_kind(method: str) -> RunKind:

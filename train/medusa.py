@@ -24,8 +24,8 @@ after `medusa2_warmup_steps` heads-only steps; the adapter is saved in DIR/heads
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors [, adapter/]),
 DIR/checkpoints, DIR/train_log.jsonl (one line per optimizer step). Load the heads with
-`heads.load.load_heads_and_target(DIR/heads)` (the target too, the adapter merged) or
-`heads.load.load_heads(DIR/heads, target_info)`.
+`headstart.heads.load.load_heads_and_target(DIR/heads)` (the target too, the adapter merged) or
+`headstart.heads.load.load_heads(DIR/heads, target_info)`.
 metrics.json (held-out rows = the last `eval_rows` rows of the dataset): `top1`, `top5` [K]; `rank_accuracy` [K][10]
 (P(the ground-truth token is exactly head k's rank-r prediction), for choosing a sparse tree); `eval_positions` [K];
 `target_top1` (the target's own next-token accuracy there, near 1 on greedy data); `greedy_agreement` (Medusa-2: share
@@ -43,18 +43,18 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 
-from heads.directory import ADAPTER_DIR
-from heads.eagle import most_frequent_tokens
-from heads.load import load_heads
-from heads.medusa import MedusaConfig, MedusaHeads
-from heads.target import load_target
-from train.cli import run_main
-from train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from train.data import collate, shifted_labels, supervised_token_counts
-from train.features import final_hidden, open_feature_source
-from train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
+from headstart.heads.directory import ADAPTER_DIR
+from headstart.heads.eagle import most_frequent_tokens
+from headstart.heads.load import load_heads
+from headstart.heads.medusa import MedusaConfig, MedusaHeads
+from headstart.heads.target import load_target
+from headstart.train.cli import run_main
+from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
+from headstart.train.data import collate, shifted_labels, supervised_token_counts
+from headstart.train.features import final_hidden, open_feature_source
+from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
                         truth_rank)
-from train.sharding import plain_model
+from headstart.train.sharding import plain_model
 
 
 @dataclass
@@ -282,7 +282,7 @@ Held-out accuracy (head k predicts the token k+1 positions after the target's ne
 Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}
 {extra}
 ```python
-from heads.load import load_heads_and_target
+from headstart.heads.load import load_heads_and_target
 heads, model, tokenizer, info = load_heads_and_target("THIS_DIR_OR_REPO")
 ```
 """

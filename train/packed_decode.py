@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, onednn_applies
+from headstart.inference.cpu_linear import ALWAYS_ONEDNN, CpuLinear, onednn_applies
 
 ATTENTION = "headstart_packed"
 

@@ -43,13 +43,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from heads.chat import render_chat, stop_token_ids
-from heads.output_dir import RunKind, claim_output_dir, disk_full_is_one_line, honour_umask, write_file
-from heads.prompts import PromptRow, load_prompts
-from heads.target import load_target, load_target_without_model
-from train.config import ConfigError, check_number, parse_config
-from train.data import DataError
-from train.engines import BACKENDS, engine_gpus, make_engine, request_seed
+from headstart.heads.chat import render_chat, stop_token_ids
+from headstart.heads.output_dir import RunKind, claim_output_dir, disk_full_is_one_line, honour_umask, write_file
+from headstart.heads.prompts import PromptRow, load_prompts
+from headstart.heads.target import load_target, load_target_without_model
+from headstart.train.config import ConfigError, check_number, parse_config
+from headstart.train.data import DataError
+from headstart.train.engines import BACKENDS, engine_gpus, make_engine, request_seed
 
 # settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
 # and in-flight counts do not change them)
@@ -440,6 +440,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from train.cli import run_main  # bad flags, files, targets, servers: one line, exit 2
+    from headstart.train.cli import run_main  # bad flags, files, targets, servers: one line, exit 2
 
     run_main(main)

@@ -23,7 +23,7 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from train.config import ConfigError
+from headstart.train.config import ConfigError
 
 
 def enable_fsdp_on_cpu(accelerator: Accelerator) -> None:
