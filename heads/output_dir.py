@@ -290,7 +290,7 @@ def disk_full_is_one_line(path: Path, then: str) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if type(err).__module__.split(".")[0] in ("heads", "train", "inference", "scripts"):
+        if type(err).__module__.split(".")[0] in ("headstart", "scripts"):
             raise
         full = disk_full(err, Path(path))
         if full is None:

@@ -32,6 +32,7 @@ from conftest import tiny_chat_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = (("accelerate", "launch"), ("python", "-m", "accelerate.commands.launch"))
+PACKAGE_FOLDERS = ("train.", "heads.", "inference.")  # a script file in one of them runs as headstart.<folder>.<module>
 
 
 def join_continuations(lines: list[str]) -> list[str]:
@@ -192,7 +193,8 @@ def script_and_args(command: str) -> tuple[str, list[str]]:
     if words[1] == "-m":
         return words[2], words[3:]
     assert words[1].endswith(".py") and (ROOT / words[1]).is_file(), f"{command}: no script {words[1]}"
-    return words[1][:-3].replace("/", "."), words[2:]
+    module = words[1][:-3].replace("/", ".")
+    return (f"headstart.{module}" if module.startswith(PACKAGE_FOLDERS) else module), words[2:]
 
 
 def last_value(args: list[str], flag: str, default=None):

@@ -1,4 +1,5 @@
-"""The package's shape: imports flow one way (train -> heads, inference -> heads), with no cycle.
+"""The package's shape: imports flow one way (headstart.train -> headstart.heads, headstart.inference ->
+headstart.heads), with no cycle.
 
 Every `import` statement counts, module level or inside a function: a cycle hidden in a function body is
 still a cycle for the reader.
@@ -14,7 +15,8 @@ PACKAGES = ("heads", "train", "inference")
 
 
 def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    """heads/load.py -> headstart.heads.load (the installed name of a repo file)."""
+    return "headstart." + ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -70,7 +72,7 @@ def test_cycle_finder_finds_a_cycle():
 def test_imports_flow_one_way():
     """heads/ is the base; inference/ never imports train/ (train may import inference to evaluate)."""
     for module, imports in import_graph().items():
-        if module.startswith("heads"):
-            assert not {i for i in imports if not i.startswith("heads")}, (module, imports)
-        if module.startswith("inference"):
-            assert not {i for i in imports if i.startswith("train")}, (module, imports)
+        if module.startswith("headstart.heads"):
+            assert not {i for i in imports if not i.startswith("headstart.heads")}, (module, imports)
+        if module.startswith("headstart.inference"):
+            assert not {i for i in imports if i.startswith("headstart.train")}, (module, imports)

@@ -185,7 +185,7 @@ def test_dflash_evaluation_of_a_nan_draft_scores_no_hits(llama_dir, sd_dir, tmp_
     ("dflash", "mask_token_id", "-5", "mask_token_id must be a number >= 0 (or -1:"),
 ])
 def test_bad_numeric_flags_are_refused(script, flag, value, message):
-    module = importlib.import_module(f"train.{script}")
+    module = importlib.import_module(f"headstart.train.{script}")
     cls = {"medusa": module.__dict__.get("MedusaTrainConfig"), "eagle": module.__dict__.get("EagleTrainConfig"),
            "dflash": module.__dict__.get("DFlashTrainConfig")}[script]
     with pytest.raises(ConfigError) as err:
@@ -288,9 +288,11 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 # case 19: --help
 
 
-SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.selfdistill", "headstart.train.bench_selfdistill", "headstart.heads.export",
-           "headstart.inference.replay", "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate", "headstart.inference.acceptance",
-           "scripts.vllm_check", "scripts.vllm_features", "scripts.llamacpp_check", "scripts.demo"]
+SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.selfdistill",
+           "headstart.train.bench_selfdistill", "headstart.heads.export", "headstart.inference.replay",
+           "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate",
+           "headstart.inference.acceptance", "scripts.vllm_check", "scripts.vllm_features", "scripts.llamacpp_check",
+           "scripts.demo"]
 
 
 class ParserBuilt(Exception):
