@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from headstart.train.config import parse_config
+from headstart.train.config import ConfigError, build_config, parse_config, resolve_recipe, shipped_recipes
 from headstart.train.dflash import DFlashTrainConfig
 from headstart.train.eagle import EagleTrainConfig
 from headstart.train.medusa import MedusaTrainConfig
@@ -48,3 +48,40 @@ def test_recipes_exist_for_the_embedded_default_and_two_gpu_targets():
     names = {str(p.relative_to(RECIPES)) for p in script_recipes()}
     assert {"smollm2-135m/selfdistill.yaml", "smollm2-135m/medusa.yaml", "smollm2-135m/medusa2.yaml"} <= names
     assert any(n.startswith("llama-3") for n in names) and any(n.startswith("qwen") for n in names)
+
+
+# ----------------------------------------------------------------------------------------------------
+# a shipped recipe by name, from any directory (train/config.py resolve_recipe)
+
+
+def test_a_shipped_recipe_is_found_by_path_or_name_from_another_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no recipes/ here
+    recipe = yaml.safe_load((RECIPES / "smollm2-135m" / "medusa.yaml").read_text())
+    for name in ("recipes/smollm2-135m/medusa.yaml", "smollm2-135m/medusa.yaml", "smollm2-135m/medusa"):
+        assert resolve_recipe(name) == RECIPES / "smollm2-135m" / "medusa.yaml"
+        cfg = parse_config(MedusaTrainConfig, ["--config", name])
+        assert {key: getattr(cfg, key) for key in recipe} == recipe
+        assert cfg.config == name
+    # the self-distillation recipe a training recipe names resolves the same way
+    distill = build_config(SelfDistillConfig, cfg.selfdistill_recipe)
+    assert cfg.selfdistill_recipe == "recipes/smollm2-135m/selfdistill.yaml"
+    assert distill.num_prompts == yaml.safe_load((RECIPES / "smollm2-135m" / "selfdistill.yaml").read_text())["num_prompts"]
+
+
+def test_a_recipe_file_in_the_working_directory_wins_over_the_shipped_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes" / "smollm2-135m").mkdir(parents=True)
+    (tmp_path / "recipes" / "smollm2-135m" / "medusa.yaml").write_text("method: medusa\nnum_heads: 2\n")
+    assert resolve_recipe("recipes/smollm2-135m/medusa.yaml") == Path("recipes/smollm2-135m/medusa.yaml")
+    assert parse_config(MedusaTrainConfig, ["--config", "recipes/smollm2-135m/medusa.yaml"]).num_heads == 2
+
+
+def test_a_missing_recipe_is_one_line_listing_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shipped = sorted(p.relative_to(RECIPES).with_suffix("").as_posix() for p in script_recipes())
+    assert shipped_recipes() == shipped and "smollm2-135m/medusa" in shipped
+    for name in ("recipes/smollm2-135m/nope.yaml", "nope", str(tmp_path / "smollm2-135m" / "medusa.yaml")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(MedusaTrainConfig, ["--config", name])
+        assert str(err.value) == (f"recipe {name} does not exist: pass a recipe file, or a shipped recipe by name "
+                                  f"({', '.join(shipped)})")

@@ -3,6 +3,9 @@
     cfg = parse_config(SelfDistillConfig)            # reads sys.argv
     cfg = parse_config(SelfDistillConfig, ["--config", "recipes/x.yaml", "--num_prompts", "8"])
 
+A recipe path that is not a file from the working directory names a shipped recipe (resolve_recipe):
+`recipes/smollm2-135m/medusa.yaml` or `smollm2-135m/medusa` works from any directory, from a clone or an install.
+
 Precedence: dataclass defaults < recipe YAML < command line. Unknown keys in the YAML and unknown
 flags on the command line are errors (the TRL script convention). A recipe is plain YAML data: tags other than
 YAML's own, anchors and aliases are refused (an alias can expand a few lines into gigabytes).
@@ -170,12 +173,36 @@ class RecipeLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)
 
 
+# the shipped recipes: the repository's recipes/ beside train/, or headstart/recipes/ in an install (package data)
+SHIPPED_RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def shipped_recipes() -> list[str]:
+    """The shipped recipes by name (`smollm2-135m/medusa`); accelerate's launch configs are not recipes."""
+    return sorted(path.relative_to(SHIPPED_RECIPES).with_suffix("").as_posix()
+                  for path in SHIPPED_RECIPES.glob("*/*.yaml") if path.parent.name != "accelerate")
+
+
+def resolve_recipe(path: str) -> Path:
+    """The recipe file `path` names: the file itself when it exists from the working directory, else the shipped
+    recipe of that name (`recipes/smollm2-135m/medusa.yaml`, `smollm2-135m/medusa.yaml` or `smollm2-135m/medusa`).
+    ConfigError (one line listing the shipped recipes) when neither exists."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    name = given.as_posix().removeprefix("./").removeprefix("recipes/")
+    for candidate in (SHIPPED_RECIPES / name, SHIPPED_RECIPES / f"{name}.yaml"):
+        if not given.is_absolute() and candidate.is_file():
+            return candidate
+    shipped = ", ".join(shipped_recipes()) or "none found"
+    raise ConfigError(f"recipe {path} does not exist: pass a recipe file, or a shipped recipe by name ({shipped})")
+
+
 def read_recipe_yaml(path: str):
-    """A recipe file's YAML data; ConfigError (one line naming the file, and the line) for text that is not UTF-8, a
-    syntax error, a tag other than YAML's own (e.g. !!python/object) or an anchor/alias."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"recipe {path} does not exist")
+    """A recipe file's YAML data (resolve_recipe: a file, or a shipped recipe by name); ConfigError (one line naming
+    the file, and the line) for text that is not UTF-8, a syntax error, a tag other than YAML's own (e.g.
+    !!python/object) or an anchor/alias."""
+    file = resolve_recipe(path)
     try:
         text = file.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
