@@ -1,7 +1,8 @@
 """Every command README.md, the pages in docs/, each recipe's header and `make demo` show is run here, so the docs
 cannot drift; every relative link and repo path they name must exist.
 
-A page's commands are the lines of its ```bash blocks and its inline `python ...` / `accelerate launch ...` spans
+A page's commands are the lines of its ```bash blocks and its inline `python ...` / `accelerate launch ...` /
+`headstart ...` spans
 (`pip ...` and `make ...` lines are .ci/run's; ```sh and ```text blocks are shown, not run: another environment's
 setup, an engine's command line). Commands run in reading order (README, then docs/ in DOC_ORDER, the recipes,
 `make demo`) in one scratch directory (so `runs/...` written by one feeds the next, as for a user),
@@ -47,13 +48,14 @@ def join_continuations(lines: list[str]) -> list[str]:
 
 
 def readme_commands(path: Path = ROOT / "README.md") -> list[str]:
-    """Shell commands of a page's ```bash blocks, then its inline `python ...` / `accelerate launch ...`."""
+    """Shell commands of a page's ```bash blocks, then its inline `python ...` / `accelerate launch ...` /
+    `headstart ...`."""
     text = path.read_text()
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         commands += join_continuations(block.splitlines())
     prose = re.sub(r"```.*?```", "", text, flags=re.S).replace("\n", " ")
-    for inline in re.findall(r"`((?:python|accelerate launch) [^`]+)`", prose):
+    for inline in re.findall(r"`((?:python|accelerate launch|headstart) [^`]+)`", prose):
         commands.append(re.sub(r"\s+", " ", inline))
     return [c for c in commands if not c.startswith(("pip ", "make "))]
 
@@ -176,8 +178,17 @@ def docs_target_gguf(target: str) -> Path:
 
 
 def script_and_args(command: str) -> tuple[str, list[str]]:
-    """-> (module to run, its argv). Launcher flags are checked with accelerate's parser."""
+    """-> (module to run, its argv). Launcher flags are checked with accelerate's parser. `headstart STAGE ...` runs
+    the stage's module (headstart/cli.py: `train` the recipe's trainer); `headstart --help`, headstart.cli itself."""
     words = shlex.split(command, comments=True)
+    if words[0] == "headstart":
+        from headstart.cli import STAGES, trainer_module
+
+        if len(words) < 2 or words[1] not in STAGES:
+            return "headstart.cli", words[1:]
+        module = trainer_module(words[2:]) if words[1] == "train" else STAGES[words[1]][0]
+        assert module is not None, f"{command}: names no recipe with a method: and no --method"
+        return module, words[2:]
     for launcher in LAUNCHERS:
         if tuple(words[: len(launcher)]) == launcher:
             from accelerate.commands.launch import launch_command_parser
@@ -224,6 +235,9 @@ def written_at(module: str, args: list[str]) -> int:
 
 def check_outputs(module: str, args: list[str], printed: str) -> None:
     """What the script promises to leave behind."""
+    if "--help" in args:  # a stage's (or the command's) help: its usage, nothing written
+        assert "usage: " in printed
+        return
     out = output_dir(module, args)
     if module == "headstart.train.selfdistill":
         assert (out / "dataset").is_dir() and (out / "meta.json").is_file()
@@ -360,7 +374,10 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
         if module == "-c":  # python -c CODE
             result = exec(compile(args[0], command, "exec"), {})
         else:
-            result = importlib.import_module(module).main(args)
+            try:
+                result = importlib.import_module(module).main(args)
+            except SystemExit as done:  # `--help` / `--version`: the parser prints and exits
+                result = done.code
     assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
     check_outputs(module, args, printed.getvalue())
     if module in ("headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash") and last_value(args, "--build_cache_only") != "true":
