@@ -47,7 +47,8 @@ from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_o
 from heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
 
 FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
-ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}  # whose step costs choose k
+# whose step costs choose k; llamacpp: "llamacpp-f32" instead when the target GGUF is not quantised
+ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
 EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE, GGUF_FILE)
 MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far above a useful chain
@@ -85,13 +86,16 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     cfg = heads.config
     metrics = read_metrics(source)  # its figures checked: numbers in range, or a HeadsLoadError naming the field
     k = _speculative_tokens(method, cfg, metrics, num_speculative_tokens)
-    k, served = _served_speed(method, metrics, source, fmt, k, num_speculative_tokens)
+    engine = ENGINE_OF_FORMAT[fmt]
+    if fmt == "llamacpp":
+        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
+        engine = gguf_draft.notes["engine"]  # a float or a quantised target GGUF
+    k, served = _served_speed(method, metrics, source, engine, k, num_speculative_tokens)
     if target_id is not None and not looks_like_hub_id(target_id):
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")
     hub_id = target_id or target_hub_id(cfg.target)
     if fmt == "llamacpp":
-        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
         config, tensors, notes = None, {}, gguf_draft.notes
     elif method == "eagle3":
         config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or _local_target(cfg.target))
@@ -175,11 +179,10 @@ def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> i
     return k
 
 
-def _served_speed(method: str, metrics: dict, source: Path, fmt: str, k: int, asked: int | None) -> tuple[int, dict]:
+def _served_speed(method: str, metrics: dict, source: Path, engine: str, k: int, asked: int | None) -> tuple[int, dict]:
     """(the chain length to export, export.json's `served_speed` record). Unless the user asked for a length, the
-    length with the highest predicted speedup in the format's engine among 1..k (DFlash: k itself, its block is
-    fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
-    engine = ENGINE_OF_FORMAT[fmt]
+    length with the highest predicted speedup in `engine` (heads/served_speed.py's key) among 1..k (DFlash: k itself,
+    its block is fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
     if asked is not None:
         return k, served_record(predict_at(metrics, method, engine, source, k), "user")
     candidates = [k] if method == "dflash" else range(1, k + 1)

@@ -37,7 +37,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
-FLOAT_FILE_TYPES = {0, 1, 32}  # GGUF general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_BF16
 
 
 # ------------------------------------------------------------------------------------------------- llama-server
@@ -62,15 +61,6 @@ def server_version(server: Path) -> str:
     return f"llama.cpp (llama-server {line})"
 
 
-def engine_key(target_gguf: Path) -> str:
-    """heads/served_speed.py's engine key: "llamacpp-f32" for a float target GGUF, "llamacpp" for a quantised one."""
-    import gguf
-
-    fields = gguf.GGUFReader(target_gguf).fields
-    file_type = int(fields["general.file_type"].contents()) if "general.file_type" in fields else 0
-    return "llamacpp-f32" if file_type in FLOAT_FILE_TYPES else "llamacpp"
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -82,8 +72,10 @@ class LlamaServer:
 
     def __init__(self, server: Path, target_gguf: Path, log: Path, threads: int, context: int,
                  draft: tuple[Path, str, int] | None = None):
+        from heads.export_gguf import read_target_gguf
+
         self.port = free_port()
-        quantised = engine_key(target_gguf) == "llamacpp"
+        quantised = read_target_gguf(target_gguf).engine_key == "llamacpp"
         self.cmd = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
                     "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--metrics"]
         if quantised:
@@ -188,7 +180,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
                 out: Path, version: str) -> dict:
     from heads.directory import read_method
     from heads.export import export_heads
-    from heads.export_gguf import GGUF_FILE, SPEC_TYPES
+    from heads.export_gguf import GGUF_FILE, SPEC_TYPES, read_target_gguf
     from vllm_check import headstart_chain
 
     method = read_method(Path(heads_dir))
@@ -240,7 +232,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
                 - before.get("spec_decode_num_accepted_tokens_total", 0.0))
     tau = llamacpp_tau(first_draft)
     return {"heads": heads_dir, "method": method, "k": k, "target_gguf": str(target_gguf), "export": str(exp),
-            "engine": engine_key(target_gguf), "version": version, "prompts": len(prompts),
+            "engine": read_target_gguf(target_gguf).engine_key, "version": version, "prompts": len(prompts),
             "identical": f"{len(prompts) - len(differences)}/{len(prompts)}", "differences": differences,
             "llamacpp_tau": round(tau, 4), "headstart_tau": round(hs["tau"], 4),
             "relative_difference": round((tau - hs["tau"]) / hs["tau"], 4),
