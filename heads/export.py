@@ -44,7 +44,8 @@ from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_expor
                                   looks_like_hub_id, medusa_export, target_hub_id)
 from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
-from heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
+from heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, predict_at, served_record,
+                                served_summary)
 
 FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
 # whose step costs choose k; llamacpp: "llamacpp-f32" instead when the target GGUF is not quantised
@@ -73,7 +74,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     target_gguf: llamacpp only, the target's GGUF (its tokenizer goes into the draft; the command serves it); default:
     the embedded target's own GGUF when the heads were trained on it.
     """
-    from heads.directory import read_method, read_metrics, resolve_heads_dir
+    from heads.directory import read_method, resolve_heads_dir
     from heads.load import load_heads
 
     if fmt not in FORMATS:
@@ -84,13 +85,14 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
-    metrics = read_metrics(source)  # its figures checked: numbers in range, or a HeadsLoadError naming the field
-    k = _speculative_tokens(method, cfg, metrics, num_speculative_tokens)
+    metrics = heldout_metrics(source)  # metrics.json (+ chain_acceptance.json), checked: a HeadsLoadError names the field
+    k = speculative_tokens(method, cfg, metrics, num_speculative_tokens)
     engine = ENGINE_OF_FORMAT[fmt]
     if fmt == "llamacpp":
         gguf_draft = llamacpp_export(heads, method, target, target_gguf)
         engine = gguf_draft.notes["engine"]  # a float or a quantised target GGUF
     k, served = _served_speed(method, metrics, source, engine, k, num_speculative_tokens)
+    served["acceptance_from"] = acceptance_source(metrics)
     if target_id is not None and not looks_like_hub_id(target_id):
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")
@@ -154,7 +156,7 @@ def _local_target(target: dict) -> str | None:
     return name if path.is_absolute() and ".." not in path.parts and (path / "config.json").is_file() else None
 
 
-def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
+def speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
     """The chain length of the launch command: `asked`, else Medusa's number of heads, DFlash's block_size - 1,
     EAGLE's evaluated depth (metrics.json's top1); bounded by what the heads draft (ExportError otherwise)."""
     if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):

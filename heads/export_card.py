@@ -7,7 +7,7 @@ import json
 import shlex
 
 from heads.export_formats import looks_like_hub_id
-from heads.served_speed import ENGINE_NAMES, MODEL_FREE, expected_acceptance, served_summary
+from heads.served_speed import ENGINE_NAMES, MODEL_FREE, acceptance_source, expected_acceptance, served_summary
 
 
 def launch_snippets(info: dict, model_ref: str) -> list[str]:
@@ -98,8 +98,8 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
                  "dequantised), whose weights differ slightly from the Hub's: for headstart's acceptance serve that "
                  "copy (`python -c \"from heads.target import embedded_local_dir; print(embedded_local_dir())\"`).")
     acc = expected_acceptance(metrics, k)
-    acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
-                f"chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
+    acc_line = (f"Held-out estimate, from {acceptance_source(metrics)}: mean acceptance length {acc:.2f} with a "
+                f"greedy chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
                 if acc is not None else "No held-out metrics in the heads directory.")
     notes = "\n".join(f"- {name}: {json.dumps(v) if not isinstance(v, str) else v}" for name, v in info["notes"].items())
     snippets = "\n".join(launch_snippets(info, model_ref))

@@ -355,14 +355,14 @@ def llamacpp_snippets(info: dict, model_ref: str) -> list[str]:
 
 def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:
     from heads.export_card import served_paragraph
-    from heads.served_speed import expected_acceptance
+    from heads.served_speed import acceptance_source, expected_acceptance
 
     target = info["target"]
     k = info["num_speculative_tokens"]
     method = {"eagle3": "EAGLE-3", "dflash": "DFlash"}[info["method"]]
     acc = expected_acceptance(metrics, k)
-    acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
-                f"chain of {k} (tokens per target step, bonus token included). Compare it with llama.cpp's own "
+    acc_line = (f"Held-out estimate, from {acceptance_source(metrics)}: mean acceptance length {acc:.2f} with a "
+                f"greedy chain of {k} (tokens per target step, bonus token included). Compare it with llama.cpp's own "
                 "counters on the same prompts: a draft that loads but accepts far less is wired wrong."
                 if acc is not None else "No held-out metrics in the heads directory.")
     notes = "\n".join(f"- {name}: {v}" for name, v in info["notes"].items())

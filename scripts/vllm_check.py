@@ -364,9 +364,9 @@ def speed(args: argparse.Namespace) -> int:
     """Export each heads dir for vLLM, measure batch-1 tokens/s with and without the draft (`speed-run` in the vLLM
     venv), compare outputs and vLLM's acceptance with headstart's prediction, and add the record to the heads dir's
     engines.json. 0 when every heads dir was measured, 1 otherwise (its row in speed.json says why)."""
-    from heads.directory import read_method, read_metrics
+    from heads.directory import read_method
     from heads.export import export_heads
-    from heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
+    from heads.served_speed import ENGINES_FILE, expected_acceptance, heldout_metrics, record_engine_run
     from train.config import check_number
     from train.engines import EngineError
 
@@ -384,7 +384,7 @@ def speed(args: argparse.Namespace) -> int:
         export_heads(heads_dir, exp, args.format, target=loaded[0], num_speculative_tokens=args.k, overwrite=True)
         info = json.loads((exp / "export.json").read_text())
         k, served = info["num_speculative_tokens"], info["served_speed"]
-        predicted = expected_acceptance(read_metrics(Path(heads_dir)), k)
+        predicted = expected_acceptance(heldout_metrics(heads_dir), k)
         row = {"heads": heads_dir, "method": method, "format": args.format, "k": k,
                "predicted_acceptance": None if predicted is None else round(predicted, 4),
                "predicted_speedup": served["predicted_speedup"], "prediction_source": served["source"]}
