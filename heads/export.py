@@ -44,8 +44,8 @@ from heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_expor
                                   looks_like_hub_id, medusa_export, target_hub_id)
 from heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
-from heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, predict_at, served_record,
-                                served_summary)
+from heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, measured_model_free,
+                                predict_at, served_record, served_summary)
 
 FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
 # whose step costs choose k; llamacpp: "llamacpp-f32" instead when the target GGUF is not quantised
@@ -93,6 +93,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
         engine = gguf_draft.notes["engine"]  # a float or a quantised target GGUF
     k, served = _served_speed(method, metrics, source, engine, k, num_speculative_tokens)
     served["acceptance_from"] = acceptance_source(metrics)
+    served["model_free"] = measured_model_free(source, engine)
     if target_id is not None and not looks_like_hub_id(target_id):
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")

@@ -46,9 +46,16 @@ def _serve_without_draft(info: dict) -> bool:
 
 
 def model_free_note(info: dict) -> str | None:
-    """When no draft length pays: the engine's model-free drafting, to be measured before use (None otherwise, or
-    when the engine has none)."""
+    """The engine's own model-free drafting: when the engine check measured it faster than this draft, that figure
+    (with the drafting mode); else, when no draft length pays, a pointer to measure it before use; None otherwise, or
+    when the engine has none."""
     served = info.get("served_speed") or {}
+    free = served.get("model_free")
+    name = ENGINE_NAMES.get(served.get("engine"), "the engine")
+    if free and free["speedup"] > free["draft_speedup"]:
+        return (f"{name}'s own model-free mode `{free['mode']}` measured faster than this draft beside it: "
+                f"{free['speedup']:.2f}x against {free['draft_speedup']:.2f}x, both over serving without a draft "
+                "(engines.json).")
     if not served.get("serve_without_draft") or served["engine"] not in MODEL_FREE:
         return None
     return f"{MODEL_FREE[served['engine']]}: measure it against serving without a draft before using it."
@@ -72,11 +79,11 @@ def served_paragraph(info: dict) -> str:
     if served["serve_without_draft"]:
         text += (" The command below serves the target alone; the exported draft is written all the same, for measuring it in the engine or serving it "
                  "after more training.")
-        note = model_free_note(info)
-        if note:
-            text += f" {note}"
     elif served["warning"]:
         text += f" Warning: {served['warning']}."
+    note = model_free_note(info)
+    if note:
+        text += f" {note}"
     return text + "\n"
 
 

@@ -207,6 +207,26 @@ def record_engine_run(heads_dir: str | Path, record: dict) -> list[EngineRecord]
     return [_record(entry, file, f"[{i}]", FIX) for i, entry in enumerate(entries)]
 
 
+def measured_model_free(heads_dir: str | Path | None, engine: str) -> dict | None:
+    """The engine's own model-free drafting as the engine check last measured it beside these heads (a record of
+    `engine` with `model_free` and `tokens_per_s_model_free`, both checked): {"mode", "speedup" (over the same
+    record's tokens/s without a draft), "draft_speedup" (the trained draft's, same record)}; None when not measured."""
+    if heads_dir is None:
+        return None
+    file = Path(heads_dir) / ENGINES_FILE
+    found = None
+    for i, entry in enumerate(_raw_records(file, FIX)):
+        record = _record(entry, file, f"[{i}]", FIX)
+        if record.engine != engine or entry.get("model_free") is None:
+            continue
+        mode = checked(entry["model_free"], str, file, f"[{i}].model_free", fix=FIX)
+        free = checked(entry.get("tokens_per_s_model_free"), float, file, f"[{i}].tokens_per_s_model_free", 1e-6,
+                       MAX_TOKENS_PER_S, FIX)
+        found = {"mode": mode[:100], "speedup": round(free / record.tokens_per_s_without, 4),
+                 "draft_speedup": round(record.tokens_per_s_with / record.tokens_per_s_without, 4)}
+    return found
+
+
 def _raw_records(file: Path, fix: str) -> list:
     """engines.json's list of records as JSON gives it ([] when the file is absent); HeadsLoadError when it is not a
     JSON list of at most MAX_RECORDS entries."""

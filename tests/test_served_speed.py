@@ -356,3 +356,29 @@ def test_the_export_predicts_from_chain_acceptance_json(tmp_path):
         with pytest.raises(HeadsLoadError, match=f"chain_acceptance.json.*{re.escape(field)}"):
             export_heads(src, tmp_path / "broken", "vllm", target=model)
         assert not (tmp_path / "broken").exists()
+
+
+def test_a_faster_model_free_mode_measured_beside_the_draft_is_on_the_card(tmp_path, capsys):
+    """engines.json says llama.cpp's own n-gram mode ran faster than the draft beside it: the export prints it and the
+    card says so, with both figures; a slower one is not mentioned; a NaN figure is one HeadsLoadError."""
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    record_engine_run(src, record(k=3, acceptance=2.0, with_=13.0, without=10.0, model_free="ngram-simple",
+                                  tokens_per_s_model_free=14.0))
+    assert main([str(src), str(tmp_path / "out"), "--format", "vllm"]) == 0
+    printed = capsys.readouterr().out
+    line = "vLLM's own model-free mode `ngram-simple` measured faster than this draft beside it: 1.40x against 1.30x"
+    assert line in printed and line in (tmp_path / "out" / "README.md").read_text()
+    served = json.loads((tmp_path / "out" / "export.json").read_text())["served_speed"]
+    assert served["model_free"] == {"mode": "ngram-simple", "speedup": 1.4, "draft_speedup": 1.3}
+    record_engine_run(src, record(k=3, acceptance=2.0, with_=13.0, without=10.0, model_free="ngram-simple",
+                                  tokens_per_s_model_free=11.0))
+    assert main([str(src), str(tmp_path / "slower"), "--format", "vllm"]) == 0
+    assert "model-free" not in capsys.readouterr().out
+    assert "model-free" not in (tmp_path / "slower" / "README.md").read_text()
+    entries = json.loads((src / "engines.json").read_text())
+    entries[0]["tokens_per_s_model_free"] = float("nan")
+    (src / "engines.json").write_text(json.dumps(entries))
+    with pytest.raises(HeadsLoadError, match=r"tokens_per_s_model_free"):
+        export_heads(src, tmp_path / "nan", "vllm", target=model)
