@@ -44,10 +44,12 @@ from headstart.heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, df
                                   looks_like_hub_id, medusa_export, target_hub_id)
 from headstart.heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
-from headstart.heads.served_speed import choose_draft_length, predict_at, served_record, served_summary
+from headstart.heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, measured_model_free,
+                                predict_at, served_record, served_summary)
 
 FORMATS = ("vllm", "sglang", "speculators", "llamacpp")
-ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}  # whose step costs choose k
+# whose step costs choose k; llamacpp: "llamacpp-f32" instead when the target GGUF is not quantised
+ENGINE_OF_FORMAT = {"vllm": "vllm", "speculators": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
 # all an export writes (mask_embedding.pt: a DFlash draft's mask-token embedding, the file vLLM reads it from)
 EXPORT_FILES = ("config.json", "model.safetensors", "export.json", "README.md", MASK_EMBEDDING_FILE, GGUF_FILE)
 MAX_SPECULATIVE_TOKENS = 32  # an EAGLE chain's length in a launch command: far above a useful chain
@@ -72,7 +74,7 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     target_gguf: llamacpp only, the target's GGUF (its tokenizer goes into the draft; the command serves it); default:
     the embedded target's own GGUF when the heads were trained on it.
     """
-    from headstart.heads.directory import read_method, read_metrics, resolve_heads_dir
+    from headstart.heads.directory import read_method, resolve_heads_dir
     from headstart.heads.load import load_heads
 
     if fmt not in FORMATS:
@@ -83,15 +85,20 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
-    metrics = read_metrics(source)  # its figures checked: numbers in range, or a HeadsLoadError naming the field
-    k = _speculative_tokens(method, cfg, metrics, num_speculative_tokens)
-    k, served = _served_speed(method, metrics, source, fmt, k, num_speculative_tokens)
+    metrics = heldout_metrics(source)  # metrics.json (+ chain_acceptance.json), checked: a HeadsLoadError names the field
+    k = speculative_tokens(method, cfg, metrics, num_speculative_tokens)
+    engine = ENGINE_OF_FORMAT[fmt]
+    if fmt == "llamacpp":
+        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
+        engine = gguf_draft.notes["engine"]  # a float or a quantised target GGUF
+    k, served = _served_speed(method, metrics, source, engine, k, num_speculative_tokens)
+    served["acceptance_from"] = acceptance_source(metrics)
+    served["model_free"] = measured_model_free(source, engine)
     if target_id is not None and not looks_like_hub_id(target_id):
         raise ExportError(f"target_id {target_id!r:.100} is not a Hugging Face Hub id (owner/name, letters, digits, "
                           "'-', '_', '.'): pass the id the target is published under")
     hub_id = target_id or target_hub_id(cfg.target)
     if fmt == "llamacpp":
-        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
         config, tensors, notes = None, {}, gguf_draft.notes
     elif method == "eagle3":
         config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or _local_target(cfg.target))
@@ -150,7 +157,7 @@ def _local_target(target: dict) -> str | None:
     return name if path.is_absolute() and ".." not in path.parts and (path / "config.json").is_file() else None
 
 
-def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
+def speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
     """The chain length of the launch command: `asked`, else Medusa's number of heads, DFlash's block_size - 1,
     EAGLE's evaluated depth (metrics.json's top1); bounded by what the heads draft (ExportError otherwise)."""
     if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
@@ -175,11 +182,10 @@ def _speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> i
     return k
 
 
-def _served_speed(method: str, metrics: dict, source: Path, fmt: str, k: int, asked: int | None) -> tuple[int, dict]:
+def _served_speed(method: str, metrics: dict, source: Path, engine: str, k: int, asked: int | None) -> tuple[int, dict]:
     """(the chain length to export, export.json's `served_speed` record). Unless the user asked for a length, the
-    length with the highest predicted speedup in the format's engine among 1..k (DFlash: k itself, its block is
-    fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
-    engine = ENGINE_OF_FORMAT[fmt]
+    length with the highest predicted speedup in `engine` (heads/served_speed.py's key) among 1..k (DFlash: k itself,
+    its block is fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
     if asked is not None:
         return k, served_record(predict_at(metrics, method, engine, source, k), "user")
     candidates = [k] if method == "dflash" else range(1, k + 1)

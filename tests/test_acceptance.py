@@ -53,7 +53,7 @@ def test_tau_per_family_matches_the_speculator(tiny_target_dir, tmp_path, capsys
             assert results[mode][family]["prompts"] == (2 if family == "chat" else 1)
             assert results[mode][family]["tau"] == round(tokens[family] / forwards[family], 3)
         assert results[mode]["all"]["tau"] == round(sum(tokens.values()) / sum(forwards.values()), 3)
-        assert results[mode]["long"] == {"skipped_too_long": 1, "tau": None}
+        assert results[mode]["long"] == {"skipped_too_long": 1, "tau": None, "accept_hist": []}
         assert results[mode]["all"]["skipped_too_long"] == 1
     captured = capsys.readouterr()
     table = captured.out
@@ -66,3 +66,29 @@ def test_errors_exit_2(tmp_path, capsys):
     assert "unknown prompt source" in capsys.readouterr().err
     assert main(["--heads", str(tmp_path / "none"), "--prompts", "writing", "--per_category", "1"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_chain_mode_writes_the_speculators_chain_histogram(tiny_target_dir, tmp_path, capsys):
+    """--chain: each heads directory decodes a greedy chain as deep as its export serves (3 Medusa heads), lookup
+    off, and chain_acceptance.json holds the Speculator's own accepted-length histogram summed over the prompts that
+    fit; the export then reads it. A Hub id (not a local directory) is refused before anything runs."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    heads = save_heads(tmp_path / "heads", tiny_target_dir, seed=1)
+    assert main(["--chain", "--heads", str(heads), "--prompts", str(prompts), "--per_category", "2",
+                 "--max_new_tokens", "12"]) == 0
+    written = json.loads((heads / "chain_acceptance.json").read_text())
+    spec = Speculator.from_pretrained(heads, tree=[[0], [0, 0], [0, 0, 0]])
+    hist = [0, 0, 0, 0]
+    for row in ROWS[:3]:
+        stats = spec.generate(torch.tensor(prompt_ids(spec.tokenizer, row["turns"][0])), 12, lookup=False,
+                              adaptive=False).stats
+        for accepted, steps in enumerate(stats.accept_hist):
+            hist[accepted] += steps
+    assert (written["depth"], written["accept_hist"], written["prompts"]) == (3, hist, str(prompts))
+    assert sum(hist) > 0
+    from headstart.heads.served_speed import heldout_metrics
+    assert heldout_metrics(heads)["chain_accept_hist"] == hist
+    assert "greedy chain of 3" in capsys.readouterr().out
+    assert main(["--chain", "--heads", "someone/heads", "--prompts", str(prompts)]) == 2
+    assert "not a local directory" in capsys.readouterr().err

@@ -257,6 +257,8 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         methods = methods[:next((i for i, a in enumerate(methods) if a.startswith("--")), len(methods))]
         assert "batch  tok/s (median" in printed
         assert all(f"\n{method} " in printed for method in methods)  # a summary row for each method asked for
+    elif module == "headstart.inference.acceptance" and "--chain" in args:
+        assert "greedy chain of" in printed and (Path(last_value(args, "--heads")) / "chain_acceptance.json").is_file()
     elif module == "headstart.inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "headstart.inference.replay":

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from test_export import LAYERS, dflash_dir, eagle_dir, make_target, medusa_dir
 from headstart.heads.export import ExportError, export_heads, main
+from headstart.heads.served_speed import choose_draft_length, served_record
 from headstart.heads.target import target_info
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 128, 64, 4, 2, 16, 128  # conftest's tiny target
@@ -47,10 +48,14 @@ SIZES = {"block_count", "context_length", "embedding_length", "feed_forward_leng
          "rope.freq_base", "attention.layer_norm_rms_epsilon"}
 
 
-def target_gguf(path: Path, arch: str = "llama", layers: int = LAYERS, vocab: int = VOCAB) -> Path:
-    """A tiny target GGUF: the graph, sizes and tokenizer keys a draft export reads."""
+def target_gguf(path: Path, arch: str = "llama", layers: int = LAYERS, vocab: int = VOCAB,
+                file_type: int | None = None) -> Path:
+    """A tiny target GGUF: the graph, sizes and tokenizer keys a draft export reads (and general.file_type if given:
+    0 f32, 3 Q4_1)."""
     T = gguf.GGUFValueType
     writer = gguf.GGUFWriter(str(path), arch)
+    if file_type is not None:
+        writer.add_uint32("general.file_type", file_type)
     writer.add_uint32(f"{arch}.block_count", layers)
     writer.add_uint32(f"{arch}.embedding_length", HIDDEN)
     writer.add_string("tokenizer.ggml.model", "gpt2")
@@ -248,7 +253,7 @@ def test_weak_heads_llamacpp_card_and_command_serve_the_target_alone(tmp_path, c
     """The llama.cpp export chooses its length on llama.cpp's step-cost prior: a weak draft's card and printed command
     serve the target GGUF alone (the draft file is written all the same); a strong one gets a length and a figure."""
     model, info = make_target("llama")
-    tgt = target_gguf(tmp_path / "target.gguf")
+    tgt = target_gguf(tmp_path / "target.gguf", file_type=3)  # a Q4_1 target: llama.cpp's quantised step costs
     src, _ = eagle_dir(tmp_path, model, info, "eagle3")
     (src / "metrics.json").write_text(json.dumps({"top1": [0.1, 0.05, 0.02]}))
     assert main([str(src), str(tmp_path / "weak"), "--format", "llamacpp", "--target_gguf", str(tgt)]) == 0
@@ -263,3 +268,20 @@ def test_weak_heads_llamacpp_card_and_command_serve_the_target_alone(tmp_path, c
     served = json.loads((out / "export.json").read_text())["served_speed"]
     assert served["engine"] == "llamacpp" and not served["serve_without_draft"] and served["predicted_speedup"] >= 1.05
     assert f"--spec-draft-n-max {served['k']}" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("file_type, engine", [(None, "llamacpp-f32"), (0, "llamacpp-f32"), (1, "llamacpp-f32"),
+                                               (3, "llamacpp")])
+def test_the_target_ggufs_file_type_chooses_the_step_costs(tmp_path, file_type, engine):
+    """A float target GGUF (f32, f16; no file type: llama.cpp's f32 default) is served at llama.cpp's f32 step costs,
+    a quantised one at its quantised costs: the export's engine, and so its chain length, follow the target GGUF."""
+    model, info = make_target("llama")
+    tgt = target_gguf(tmp_path / "target.gguf", file_type=file_type)
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps({"top1": [0.95] * 3}))
+    out = export_heads(src, tmp_path / "out", "llamacpp", target_gguf=tgt)
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    assert served["engine"] == engine
+    expected = served_record(choose_draft_length({"top1": [0.95] * 3}, "eagle3", engine, src, [1, 2, 3]), "export",
+                             fallback_k=3)
+    assert {key: served[key] for key in expected} == expected

