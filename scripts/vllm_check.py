@@ -235,8 +235,11 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
     """One `run` of vLLM through its venv's python (`speed-run`, both engines interleaved, when `rounds` is given);
     its JSON result, or {"error": the exit status and the log's tail}."""
     mode = "run" if rounds is None else "speed-run"
+    # the longest prompt and its answer fit (the held-out families have prompts over 1,000 tokens)
+    longest = max((len(ids) for ids in json.loads(prompts_file.read_text())), default=0)
+    model_len = max(1024, longest + max_new_tokens + 16)
     cmd = [python, str(Path(__file__).resolve()), mode, "--target", target_dir, "--prompts", str(prompts_file),
-           "--max_new_tokens", str(max_new_tokens), "--out", str(out_file)]
+           "--max_new_tokens", str(max_new_tokens), "--max_model_len", str(model_len), "--out", str(out_file)]
     if draft:
         cmd += ["--draft", draft, "--method", method, "--k", str(k)]
     if rounds is not None:

@@ -112,6 +112,10 @@ def fake_vllm(tmp_path):
     script.write_text(f"#!{sys.executable}\nimport pathlib, shutil, sys\n"
                       "args = sys.argv[1:]\n"
                       "assert args[1] == 'speed-run' and '--rounds' in args, args\n"
+                      # vLLM's context holds the longest prompt and its answer
+                      "prompts = __import__('json').load(open(args[args.index('--prompts') + 1]))\n"
+                      "need = max(map(len, prompts)) + int(args[args.index('--max_new_tokens') + 1])\n"
+                      "assert int(args[args.index('--max_model_len') + 1]) >= max(need, 1024), args\n"
                       f"shutil.copy({str(tmp_path / 'result.json')!r}, args[args.index('--out') + 1])\n")
     script.chmod(0o755)
     return script
