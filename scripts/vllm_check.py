@@ -510,6 +510,23 @@ def prepare_run(args) -> tuple[Path, str, tuple, list, Path]:
     return out, target_dir, loaded, prompts, prompts_file
 
 
+def add_vllm_side_args(parser: argparse.ArgumentParser, max_new_tokens: int, draft_required: bool) -> None:
+    """The flags `run` and `speed-run` (the vLLM venv's side) share: the target, prompts, output and the draft."""
+    parser.add_argument("--target", required=True, help="the target as a plain HF dir")
+    parser.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
+    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="tokens generated per prompt")
+    parser.add_argument("--max_model_len", type=int, default=1024, help="vLLM's max_model_len")
+    parser.add_argument("--out", required=True, help="write the run's figures to this JSON file")
+    parser.add_argument("--draft", required=draft_required, default=None,
+                        help="an export directory" + ("" if draft_required else " (default: no draft)"))
+    parser.add_argument("--method", required=draft_required, default=None,
+                        help="vLLM's speculative method for --draft, e.g. eagle3")
+    parser.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
+    parser.add_argument("--no_weights_track", action="store_true",
+                        help="turn off vLLM's weights tracking (drafts with a token_map)")
+    parser.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
+
+
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
     """The prompts a check runs: held-out task families (`render_prompts`)."""
     parser.add_argument("--prompts", default="mix:heldout+writing", help="prompt source spec (heads/prompts.py)")
@@ -531,29 +548,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     run = sub.add_parser("run", help="one vLLM run (in the vLLM venv)")
-    run.add_argument("--target", required=True, help="the target as a plain HF dir")
-    run.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
-    run.add_argument("--max_new_tokens", type=int, default=64, help="tokens generated per prompt")
-    run.add_argument("--max_model_len", type=int, default=1024, help="vLLM's max_model_len")
-    run.add_argument("--out", required=True, help="write the run's figures to this JSON file")
-    run.add_argument("--draft", default=None, help="an export directory (default: no draft)")
-    run.add_argument("--method", default=None, help="vLLM's speculative method for --draft, e.g. eagle3")
-    run.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
-    run.add_argument("--no_weights_track", action="store_true", help="turn off vLLM's weights tracking (drafts with a token_map)")
-    run.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
+    add_vllm_side_args(run, max_new_tokens=64, draft_required=False)
     srun = sub.add_parser("speed-run", help="the speed mode's vLLM side: both engines, interleaved (in the vLLM venv)")
-    srun.add_argument("--target", required=True, help="the target as a plain HF dir")
-    srun.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
-    srun.add_argument("--max_new_tokens", type=int, default=96, help="tokens generated per prompt")
-    srun.add_argument("--max_model_len", type=int, default=1024, help="vLLM's max_model_len")
-    srun.add_argument("--out", required=True, help="write the run's figures to this JSON file")
-    srun.add_argument("--draft", required=True, help="an export directory")
-    srun.add_argument("--method", required=True, help="vLLM's speculative method for --draft, e.g. eagle3")
-    srun.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
+    add_vllm_side_args(srun, max_new_tokens=96, draft_required=True)
     srun.add_argument("--rounds", type=int, default=2, help="rounds over the prompts (the fastest one counts)")
-    srun.add_argument("--no_weights_track", action="store_true",
-                      help="turn off vLLM's weights tracking (drafts with a token_map)")
-    srun.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
     spd = sub.add_parser("speed", help="served tokens/s in vLLM with and without each export (in the headstart venv)")
     spd.add_argument("--heads", nargs="+", required=True, help="heads directories to export and measure; each "
                      "gets the record in its engines.json")
