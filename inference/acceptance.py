@@ -31,6 +31,7 @@ from headstart.heads.chat import prompt_ids
 from headstart.heads.output_dir import OutputDirError, refuse_link, write_file
 from headstart.heads.prompt_rows import pick_per_category
 from headstart.heads.prompts import PromptSourceError, load_prompts
+from headstart.heads.served_speed import CHAIN_FILE
 from headstart.inference.speculator import Speculator, SpeculatorError
 
 
@@ -76,8 +77,6 @@ def write_chain_acceptance(spec: Speculator, rows: list, max_new_tokens: int, pr
     """Decode `rows` with a greedy chain of `chain_depth`, lookup off, not adaptive, and write the accepted-length
     histogram over all rows to the heads directory's chain_acceptance.json (heads/served_speed.py reads it); returns
     what was written."""
-    from headstart.heads.served_speed import CHAIN_FILE
-
     depth = chain_depth(spec)
     spec.set_tree([[0] * d for d in range(1, depth + 1)])
     by_family = heldout_tau(spec, rows, max_new_tokens, False, bar)
@@ -145,6 +144,11 @@ def chain_main(args: argparse.Namespace, rows: list) -> int:
         if not Path(heads).is_dir():
             print(f"error: --chain writes into the heads directory: {heads!r:.100} is not a local directory (download "
                   "Hub heads with huggingface_hub's snapshot_download and pass that directory)", file=sys.stderr)
+            return 2
+        try:
+            refuse_link(Path(heads) / CHAIN_FILE)  # before the decoding, not after it
+        except OutputDirError as err:
+            print(f"error: {err}", file=sys.stderr)
             return 2
     bar = tqdm(total=len(args.heads) * len(rows), desc="chain acceptance", unit="prompt", file=sys.stderr)
     for heads in args.heads:

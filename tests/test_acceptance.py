@@ -92,3 +92,9 @@ def test_chain_mode_writes_the_speculators_chain_histogram(tiny_target_dir, tmp_
     assert "greedy chain of 3" in capsys.readouterr().out
     assert main(["--chain", "--heads", "someone/heads", "--prompts", str(prompts)]) == 2
     assert "not a local directory" in capsys.readouterr().err
+    outside = tmp_path / "outside.txt"  # someone else's file, behind a link where the result would go
+    outside.write_text("mine")
+    (heads / "chain_acceptance.json").unlink()
+    (heads / "chain_acceptance.json").symlink_to(outside)
+    assert main(["--chain", "--heads", str(heads), "--prompts", str(prompts)]) == 2
+    assert "symbolic link" in capsys.readouterr().err and outside.read_text() == "mine"
