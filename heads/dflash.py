@@ -39,6 +39,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from headstart.heads.draft_method import DraftMethod
 from headstart.heads.draft_vocab import DraftVocabHeads
 
 DEFAULT_TAPS = 5  # target layers read by default (z-lab's released drafts read five)
@@ -196,3 +197,21 @@ class DFlashDraft(DraftVocabHeads):
         """out [..., h] -> logits [..., Vd] through `norm` and the rows of the target's lm_head the draft scores
         (`draft_lm_head_weight(lm_head_weight)`, [Vd, h])."""
         return self.norm(out) @ scored_weight.t()
+
+
+# The one declaration of DFlash (heads/draft_method.py), registered in heads/methods.py.
+DFLASH = DraftMethod(
+    title="a DFlash draft", names=("dflash",), config_class=DFlashConfig, module_class=DFlashDraft,
+    proposer="headstart.inference.dflash:dflash_proposer", draft_prior="headstart.inference.dflash:draft_prior",
+    trainer="headstart.train.dflash",
+    max_depth=lambda config: config.block_size - 1,  # the block's slots after the root
+    scores_target_rows=lambda config: True,
+    engine_chain=lambda config: config.block_size - 1,  # it drafts its whole block at once
+    engine_draft_forwards=lambda k: 1,  # one forward per block
+    formats=("vllm", "llamacpp"),
+    refusals={fmt: ("headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked against a "
+                    "loader: use --format vllm") for fmt in ("sglang", "speculators")},
+    engine_export="headstart.heads.export_formats:dflash_export",
+    gguf_export="headstart.heads.export_gguf:dflash_gguf",
+    bench_info=lambda config: {"method": "dflash", "block_size": config.block_size},
+)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from headstart.heads.directory import HeadsModule
+from headstart.heads.draft_method import DraftMethod
 from headstart.heads.draft_vocab import check_token_ids
 
 METHODS = ("eagle", "eagle3")
@@ -222,3 +223,22 @@ def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
     """The k target ids with the highest counts [V] (ties: lower id first), in increasing id order."""
     order = torch.sort(-counts.double(), stable=True).indices  # most frequent first, ties by id
     return torch.sort(order[:k]).values
+
+
+# The declarations of EAGLE-1 and EAGLE-3 (heads/draft_method.py), registered in heads/methods.py: one draft module
+# and trainer, two engine layouts.
+EAGLE = DraftMethod(
+    title="an EAGLE draft", names=("eagle",), config_class=EagleConfig, module_class=EagleDraft,
+    proposer="headstart.inference.eagle:eagle_proposer", draft_prior="headstart.inference.eagle:draft_prior",
+    trainer="headstart.train.eagle", dynamic_tree=True,
+    formats=("vllm", "sglang"),
+    refusals={"speculators": ("vLLM 0.32's speculators reader takes eagle3 (and peagle / dflash) only, not EAGLE-1: "
+                              "use --format vllm for EAGLE-1 heads"),
+              "llamacpp": ("llama.cpp runs EAGLE-3 drafts (--spec-type draft-eagle3), not EAGLE-1: serve these heads "
+                           "with --format vllm, or train method: eagle3 for llama.cpp")},
+    engine_export="headstart.heads.export_formats:eagle1_export",
+    bench_info=lambda config: {"method": config.method},
+)
+EAGLE3 = replace(EAGLE, names=("eagle3",), formats=("vllm", "sglang", "speculators", "llamacpp"), refusals={},
+                 engine_export="headstart.heads.export_formats:eagle3_export",
+                 gguf_export="headstart.heads.export_gguf:eagle3_gguf")

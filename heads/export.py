@@ -40,8 +40,9 @@ import torch
 
 from headstart.heads.export_card import launch_snippets, model_card, model_free_note
 from headstart.heads.export_gguf import GGUF_FILE, llamacpp_card, llamacpp_export, llamacpp_snippets
-from headstart.heads.export_formats import (MASK_EMBEDDING_FILE, ExportError, dflash_export, eagle1_export, eagle3_export,
-                                  looks_like_hub_id, medusa_export, target_hub_id)
+from headstart.heads.draft_method import resolve
+from headstart.heads.export_formats import MASK_EMBEDDING_FILE, ExportError, ExportRequest, looks_like_hub_id, target_hub_id
+from headstart.heads.methods import method_of
 from headstart.heads.output_dir import (OutputDirError, RunKind, check_output_dir, claim_output_dir, disk_full_is_one_line,
                               honour_umask, owned_entries, read_manifest, record_entries)
 from headstart.heads.served_speed import (acceptance_source, choose_draft_length, heldout_metrics, measured_model_free,
@@ -85,13 +86,16 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     method = read_method(source)
     heads = load_heads(source).float()  # exports are fp32 (the EAGLE-1 fold is computed in float64)
     cfg = heads.config
+    declared = method_of(cfg)  # what the heads' method writes for each engine (heads/draft_method.py)
+    if fmt not in declared.formats:
+        raise ExportError(declared.refusal(fmt))
     metrics = heldout_metrics(source)  # metrics.json (+ chain_acceptance.json), checked: a HeadsLoadError names the field
-    k = speculative_tokens(method, cfg, metrics, num_speculative_tokens)
+    k = speculative_tokens(cfg, metrics, num_speculative_tokens)
     engine = ENGINE_OF_FORMAT[fmt]
     if fmt == "llamacpp":
-        gguf_draft = llamacpp_export(heads, method, target, target_gguf)
+        gguf_draft = llamacpp_export(heads, target, target_gguf)
         engine = gguf_draft.notes["engine"]  # a float or a quantised target GGUF
-    k, served = _served_speed(method, metrics, source, engine, k, num_speculative_tokens)
+    k, served = _served_speed(cfg, metrics, source, engine, k, num_speculative_tokens)
     served["acceptance_from"] = acceptance_source(metrics)
     served["model_free"] = measured_model_free(source, engine)
     if target_id is not None and not looks_like_hub_id(target_id):
@@ -100,14 +104,9 @@ def export_heads(heads_dir: str | Path, out_dir: str | Path, fmt: str = "vllm", 
     hub_id = target_id or target_hub_id(cfg.target)
     if fmt == "llamacpp":
         config, tensors, notes = None, {}, gguf_draft.notes
-    elif method == "eagle3":
-        config, tensors, notes = eagle3_export(heads, fmt, k, hub_id or _local_target(cfg.target))
-    elif method == "eagle":
-        config, tensors, notes = eagle1_export(heads, fmt, target)
-    elif method == "dflash":
-        config, tensors, notes = dflash_export(heads, fmt, target, k)
     else:
-        config, tensors, notes = medusa_export(heads, fmt, target, medusa_full_vocab)
+        request = ExportRequest(fmt, target, k, hub_id or _local_target(cfg.target), medusa_full_vocab)
+        config, tensors, notes = resolve(declared.engine_export)(heads, request)
 
     from safetensors.torch import save_file
 
@@ -157,23 +156,26 @@ def _local_target(target: dict) -> str | None:
     return name if path.is_absolute() and ".." not in path.parts and (path / "config.json").is_file() else None
 
 
-def speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> int:
-    """The chain length of the launch command: `asked`, else Medusa's number of heads, DFlash's block_size - 1,
-    EAGLE's evaluated depth (metrics.json's top1); bounded by what the heads draft (ExportError otherwise)."""
+def speculative_tokens(cfg, metrics: dict, asked: int | None) -> int:
+    """The chain length of the launch command: `asked`, else the chain the heads' method fixes (DFlash:
+    block_size - 1), a static tree's deepest node (Medusa: its number of heads), or a dynamic tree's evaluated depth
+    (EAGLE: metrics.json's top1); bounded by what the heads draft (ExportError otherwise)."""
     if asked is not None and (not isinstance(asked, int) or isinstance(asked, bool) or asked < 1):
         raise ExportError(f"num_speculative_tokens must be a positive integer, got {asked!r:.40}")
-    if method in ("medusa", "medusa2"):
-        k = asked or cfg.num_heads
-        if k > cfg.num_heads:
-            raise ExportError(f"vLLM runs Medusa as a chain of one guess per head: at most {cfg.num_heads} speculative "
-                              f"tokens for these {cfg.num_heads} heads, not {k}")
+    declared = method_of(cfg)
+    fixed = declared.engine_chain(cfg)
+    if fixed is not None:
+        k = asked or fixed
+        if k != fixed:
+            raise ExportError(f"{declared.title} drafts its whole chain at once: serve it with num_speculative_tokens "
+                              f"{fixed}, not {k}; another length changes every slot it was trained on")
         return k
-    if method == "dflash":
-        k = asked or cfg.block_size - 1
-        if k != cfg.block_size - 1:
-            raise ExportError(f"a DFlash draft drafts its whole block at once: serve it with num_speculative_tokens "
-                              f"{cfg.block_size - 1} (block_size {cfg.block_size} - 1), not {k}; another length "
-                              "changes every slot it was trained on")
+    depth = declared.max_depth(cfg)
+    if depth is not None:
+        k = asked or depth
+        if k > depth:
+            raise ExportError(f"an engine runs {declared.title} as a chain of one guess per depth: at most {depth} "
+                              f"speculative tokens for these heads, not {k}")
         return k
     k = asked or len(metrics.get("top1") or []) or 3
     if k > MAX_SPECULATIVE_TOKENS:
@@ -182,13 +184,15 @@ def speculative_tokens(method: str, cfg, metrics: dict, asked: int | None) -> in
     return k
 
 
-def _served_speed(method: str, metrics: dict, source: Path, engine: str, k: int, asked: int | None) -> tuple[int, dict]:
+def _served_speed(cfg, metrics: dict, source: Path, engine: str, k: int, asked: int | None) -> tuple[int, dict]:
     """(the chain length to export, export.json's `served_speed` record). Unless the user asked for a length, the
-    length with the highest predicted speedup in `engine` (heads/served_speed.py's key) among 1..k (DFlash: k itself,
-    its block is fixed); k stays when nothing could be predicted. A user's length is kept, with its prediction."""
+    length with the highest predicted speedup in `engine` (heads/served_speed.py's key) among 1..k (k itself where
+    the method fixes the chain: DFlash's block); k stays when nothing could be predicted. A user's length is kept,
+    with its prediction."""
+    method = cfg.method
     if asked is not None:
         return k, served_record(predict_at(metrics, method, engine, source, k), "user")
-    candidates = [k] if method == "dflash" else range(1, k + 1)
+    candidates = [k] if method_of(cfg).engine_chain(cfg) is not None else range(1, k + 1)
     choice = choose_draft_length(metrics, method, engine, source, candidates)
     return choice.best_k or k, served_record(choice, "export", fallback_k=k)
 

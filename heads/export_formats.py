@@ -48,7 +48,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,6 +65,17 @@ LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_ke
 
 class ExportError(ValueError):
     """The heads cannot be written in that format: the message says why and what to do instead."""
+
+
+@dataclass
+class ExportRequest:
+    """What an engine writer (a DraftMethod's engine_export, heads/draft_method.py) is asked for, beside the heads."""
+
+    fmt: str  # vllm | sglang | speculators: one of the method's formats
+    target: Any  # the target (loaded, or a name / path) where the layout needs its weights: see _target_weights
+    k: int  # the speculative tokens of the launch command
+    verifier: str | None = None  # the target a speculators config names (its Hub id, or a local model directory)
+    full_vocab: bool = False  # Medusa: ship the whole lm_head, no token_map
 
 
 # ----------------------------------------------------------------------------------------------------------- target
@@ -172,11 +185,12 @@ def fold_fc_bias(fc_weight: torch.Tensor, fc_bias: torch.Tensor, embed: torch.Te
 # ----------------------------------------------------------------------------------------------------- the formats
 
 
-def eagle3_export(heads, fmt: str, k: int, verifier: str | None) -> tuple[dict, dict, dict]:
-    """EAGLE-3 heads in `fmt` -> (engine config, tensors, conversion notes); k: speculative tokens, verifier: the
-    target named in the speculators config."""
+def eagle3_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
+    """EAGLE-3 heads in request.fmt -> (engine config, tensors, conversion notes); request.k: speculative tokens,
+    request.verifier: the target named in the speculators config."""
     from headstart.heads.eagle import NORM_FLAGS
 
+    fmt, k, verifier = request.fmt, request.k, request.verifier
     cfg = heads.config
     state = {n: t.detach().cpu() for n, t in heads.state_dict().items()}
     engine = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators)"}[fmt]
@@ -241,14 +255,12 @@ def _target_architecture(cfg) -> str:
     return arch.get(cfg.target.get("model_type") or cfg.layer_config.get("model_type"), "LlamaForCausalLM")
 
 
-def eagle1_export(heads, fmt: str, target) -> tuple[dict, dict, dict]:
-    """EAGLE-1 heads in `fmt` -> (engine config, tensors, conversion notes); target: see _target_weights (vLLM's
-    fold needs its embedding)."""
+def eagle1_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
+    """EAGLE-1 heads for vLLM or SGLang (request.fmt) -> (engine config, tensors, conversion notes); request.target:
+    see _target_weights (vLLM's fold needs its embedding)."""
+    fmt, target = request.fmt, request.target
     cfg = heads.config
     state = {n: t.detach().cpu() for n, t in heads.state_dict().items()}
-    if fmt == "speculators":
-        raise ExportError("vLLM 0.32's speculators reader takes eagle3 (and peagle / dflash) only, not EAGLE-1: use "
-                          "--format vllm for EAGLE-1 heads")
     layer = _layer_config(cfg, "vLLM" if fmt == "vllm" else "SGLang")
     qkv_bias = layer["attention_bias"]
     tensors = _layer_tensors(state, "layers.0.", qkv_bias)
@@ -267,14 +279,12 @@ def eagle1_export(heads, fmt: str, target) -> tuple[dict, dict, dict]:
     return dict(layer, architectures=["EagleLlamaForCausalLM"]), tensors, notes
 
 
-def medusa_export(heads, fmt: str, target, full_vocab: bool) -> tuple[dict, dict, dict]:
-    """Medusa-1 heads for vLLM -> (engine config, tensors, conversion notes); target: see _target_weights (shared
-    lm_head heads ship its rows); full_vocab: the whole lm_head, no token_map."""
+def medusa_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
+    """Medusa-1 heads for vLLM -> (engine config, tensors, conversion notes); request.target: see _target_weights
+    (shared lm_head heads ship its rows); request.full_vocab: the whole lm_head, no token_map."""
+    target, full_vocab = request.target, request.full_vocab
     cfg = heads.config
-    if fmt != "vllm":
-        raise ExportError(f"{fmt} has no Medusa drafter (SGLang runs EAGLE / EAGLE-3 only; the speculators format "
-                          "read by vLLM 0.32 has eagle3 / peagle / dflash): use --format vllm for Medusa heads")
-    if cfg.adapter or cfg.method == "medusa2":
+    if cfg.adapter:  # Medusa-2
         raise ExportError("Medusa-2 heads read the target with their LoRA adapter merged (adapter/), but vLLM serves "
                           "the target as is and loads no adapter into a Medusa draft: the heads would see other "
                           "features. Serve them with headstart, or merge the adapter into the target, save it, "
@@ -312,14 +322,12 @@ def medusa_export(heads, fmt: str, target, full_vocab: bool) -> tuple[dict, dict
     return config, tensors, notes
 
 
-def dflash_export(heads, fmt: str, target, k: int) -> tuple[dict, dict, dict]:
-    """A DFlash draft for vLLM -> (engine config, tensors, conversion notes); target: see _target_weights (a draft
-    vocabulary ships its lm_head rows); k: the speculative tokens of the launch command (block_size - 1), which the
-    note names too."""
+def dflash_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
+    """A DFlash draft for vLLM -> (engine config, tensors, conversion notes); request.target: see _target_weights (a
+    draft vocabulary ships its lm_head rows); request.k: the speculative tokens of the launch command
+    (block_size - 1), which the note names too."""
+    target, k = request.target, request.k
     cfg = heads.config
-    if fmt != "vllm":
-        raise ExportError(f"headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked "
-                          "against a loader: use --format vllm")
     L = cfg.target.get("num_hidden_layers", -1)
     if any(i < 1 or i >= L for i in cfg.feature_layers):
         raise ExportError(f"feature_layers {cfg.feature_layers}: vLLM's DFlash reads decoder-layer outputs before the "

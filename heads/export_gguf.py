@@ -41,7 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from headstart.heads.draft_method import resolve
 from headstart.heads.export_formats import ExportError, _check_layer_ids, _layer_config, _target_weights
+from headstart.heads.methods import method_of
 
 GGUF_FILE = "draft.gguf"
 # HF model_type of the target -> the llama.cpp graph that serves it and hands a draft its layer inputs
@@ -217,7 +219,7 @@ def _base_metadata(draft: GgufDraft, layer: dict, num_layers: int, name: str) ->
 # ------------------------------------------------------------------------------------------------------- methods
 
 
-def eagle3_gguf(heads) -> GgufDraft:
+def eagle3_gguf(heads, target=None) -> GgufDraft:
     """EAGLE-3 heads as llama.cpp's eagle3 draft (src/models/eagle3.cpp)."""
     import gguf
 
@@ -318,20 +320,18 @@ def dflash_gguf(heads, target) -> GgufDraft:
     return draft
 
 
-def llamacpp_export(heads, method: str, target, target_gguf: str | Path | None) -> GgufDraft:
-    """The heads as llama.cpp's draft GGUF (not yet written); ExportError names what llama.cpp cannot run."""
-    if method in ("medusa", "medusa2"):
-        raise ExportError("llama.cpp has no Medusa drafter (its --spec-type values are draft-simple, draft-eagle3, "
-                          "draft-mtp, draft-dflash, draft-dspark and n-gram modes): serve Medusa heads with --format "
-                          "vllm, or train EAGLE-3 or DFlash heads for llama.cpp")
-    if method == "eagle":
-        raise ExportError("llama.cpp runs EAGLE-3 drafts (--spec-type draft-eagle3), not EAGLE-1: serve these heads "
-                          "with --format vllm, or train method: eagle3 for llama.cpp")
+def llamacpp_export(heads, target, target_gguf: str | Path | None) -> GgufDraft:
+    """The heads as llama.cpp's draft GGUF (not yet written), by their method's gguf_export
+    (heads/draft_method.py); ExportError names what llama.cpp cannot run."""
     cfg = heads.config
+    declared = method_of(cfg)
+    if declared.gguf_export is None:
+        raise ExportError(declared.refusal("llamacpp"))
     tgt = _check_target(cfg, target_gguf)
-    draft = eagle3_gguf(heads) if method == "eagle3" else dflash_gguf(heads, target)
+    draft = resolve(declared.gguf_export)(heads, target)
+    own = {key for key, _, _, _ in draft.metadata}
     for key, value, vtype, sub in tgt.tokenizer:
-        if not (method == "dflash" and key == "tokenizer.ggml.mask_token_id"):  # the draft's own mask token wins
+        if key not in own:  # the draft's own keys win (DFlash's mask token)
             draft.add(key, value, vtype, sub)
     draft.notes["tokenizer"] = f"tokenizer metadata copied from the target GGUF {tgt.path.name}"
     draft.notes["target_gguf"] = str(tgt.path)

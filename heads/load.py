@@ -17,31 +17,23 @@ from typing import Any
 
 import torch
 
-from headstart.heads.dflash import DFlashConfig, DFlashDraft
 from headstart.heads.directory import (ADAPTER_DIR, HeadsLoadError, check_target, check_weights, load_state, read_config, read_method,
                              resolve_heads_dir)
-from headstart.heads.eagle import EagleConfig, EagleDraft
-from headstart.heads.eagle import METHODS as EAGLE_METHODS
-from headstart.heads.medusa import MedusaConfig, MedusaHeads
-
-MEDUSA_METHODS = ("medusa", "medusa2")
-DFLASH_METHODS = ("dflash",)
-CONFIGS = {**{m: (EagleConfig, EagleDraft, EAGLE_METHODS, "an EAGLE draft") for m in EAGLE_METHODS},
-           **{m: (MedusaConfig, MedusaHeads, MEDUSA_METHODS, "Medusa heads") for m in MEDUSA_METHODS},
-           "dflash": (DFlashConfig, DFlashDraft, DFLASH_METHODS, "a DFlash draft")}
-
+from headstart.heads.draft_method import DraftMethod
+from headstart.heads.methods import UnknownMethodError, method_of
 
 def load_heads(dir_or_id: str | Path, target_info: Any = None, *, revision: str | None = None,
-               device: str | torch.device = "cpu") -> MedusaHeads | EagleDraft | DFlashDraft:
-    """Medusa heads, an EAGLE draft or a DFlash draft from a local directory or Hub id, in eval mode; with `target_info`
+               device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The heads module of the directory's method (heads/methods.py: Medusa heads, an EAGLE draft, a DFlash draft...) from a local directory or Hub id, in eval mode; with `target_info`
     (TargetInfo or dict), heads trained for another target are refused."""
     return _load_resolved(resolve_heads_dir(dir_or_id, revision), target_info, device)
 
 
-def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device) -> MedusaHeads | EagleDraft | DFlashDraft:
+def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device) -> torch.nn.Module:
     """load_heads once the directory is local."""
-    config_class, module_class, methods, what = _kind(heads_dir)
-    config = read_config(heads_dir, config_class, methods, what)
+    method = draft_method(heads_dir)
+    module_class = method.module_class
+    config = read_config(heads_dir, method.config_class, method.names, method.title)
     if target_info is not None:
         check_target(config, target_info, where=f"the heads in {heads_dir}")
     try:
@@ -53,12 +45,19 @@ def _load_resolved(heads_dir: Path, target_info: Any, device: str | torch.device
     return load_state(module, heads_dir).to(device).eval()
 
 
-def _kind(heads_dir: Path) -> tuple:
-    """(config class, module class, methods, what it is) for the method heads_dir/config.json records."""
-    method = read_method(heads_dir)
-    if method not in CONFIGS:
-        raise HeadsLoadError(f"{heads_dir}/config.json has method {method!r}; headstart loads {', '.join(CONFIGS)}")
-    return CONFIGS[method]
+def draft_method(heads_dir: Path) -> DraftMethod:
+    """The registered drafting method (heads/methods.py) that heads_dir/config.json records."""
+    name = read_method(heads_dir)
+    try:
+        return method_of(name)
+    except UnknownMethodError as err:
+        raise HeadsLoadError(f"{heads_dir}/config.json: {err}") from err
+
+
+def read_heads_config(heads_dir: Path):
+    """heads_dir/config.json as its method's config class, checked (no weights read)."""
+    method = draft_method(heads_dir)
+    return read_config(heads_dir, method.config_class, method.names, method.title)
 
 
 def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision: str | None = None,
@@ -75,8 +74,7 @@ def load_heads_and_target(dir_or_id: str | Path, target: Any = None, *, revision
     heads_dir = resolve_heads_dir(dir_or_id, revision)
     named = target is None
     if named:
-        config_class, _, methods, what = _kind(heads_dir)
-        target = read_config(heads_dir, config_class, methods, what).target.get("name")
+        target = read_heads_config(heads_dir).target.get("name")
         if not target:
             raise HeadsLoadError(f"{heads_dir}/config.json names no target: pass one (a model or its path)")
     try:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headstart.heads.draft_method import DraftMethod
 from headstart.heads.draft_vocab import DraftVocabHeads
 
 
@@ -95,3 +96,24 @@ class MedusaHeads(DraftVocabHeads):
                 raise ValueError("these Medusa heads share the target's lm_head: pass lm_head_weight")
             return feats @ self.draft_lm_head_weight(lm_head_weight).t()  # one matmul over all heads: [K, B, T, V]
         return torch.stack([head(f) for head, f in zip(self.lm_heads, feats)])
+
+
+# The one declaration of Medusa-1/2 (heads/draft_method.py), registered in heads/methods.py.
+MEDUSA = DraftMethod(
+    title="Medusa heads", names=("medusa", "medusa2"), config_class=MedusaConfig, module_class=MedusaHeads,
+    proposer="headstart.inference.medusa:medusa_proposer", draft_prior="headstart.inference.medusa:draft_prior",
+    trainer="headstart.train.medusa",
+    max_depth=lambda config: config.num_heads,  # one head per depth
+    scores_target_rows=lambda config: config.share_lm_head,
+    timed_per_tree=False,  # medusa_logits scores every head at once
+    engine_draft_forwards=lambda k: 0,  # the heads read the target's hidden state inside its verify pass
+    formats=("vllm",),
+    refusals={fmt: ("{fmt} has no Medusa drafter (SGLang runs EAGLE / EAGLE-3 only; the speculators format read by "
+                    "vLLM 0.32 has eagle3 / peagle / dflash): use --format vllm for Medusa heads")
+              for fmt in ("sglang", "speculators")}
+    | {"llamacpp": ("llama.cpp has no Medusa drafter (its --spec-type values are draft-simple, draft-eagle3, "
+                    "draft-mtp, draft-dflash, draft-dspark and n-gram modes): serve Medusa heads with --format vllm, "
+                    "or train EAGLE-3 or DFlash heads for llama.cpp")},
+    engine_export="headstart.heads.export_formats:medusa_export",
+    bench_info=lambda config: {"num_heads": config.num_heads},
+)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 from headstart.heads.directory import MAX_DEPTH, HeadsLoadError, checked, checked_list
+from headstart.heads.methods import method_of
 
 ENGINES_FILE = "engines.json"
 CHAIN_FILE = "chain_acceptance.json"  # inference/acceptance.py --chain: accepted lengths on held-out task families
@@ -82,13 +83,9 @@ PRIORS = {
 
 
 def draft_forwards(method: str, k: int) -> int:
-    """The draft's own forwards per step of a chain of k: EAGLE one per depth, DFlash one per block, Medusa none (its
-    heads read the target's last hidden state in the verify pass)."""
-    if method in ("eagle", "eagle3"):
-        return k
-    if method == "dflash":
-        return 1
-    return 0
+    """The draft's own forwards per step of a chain of k, as its method declares (heads/draft_method.py): EAGLE one
+    per depth, DFlash one per block, Medusa none (its heads read the target's last hidden state in the verify pass)."""
+    return method_of(method).engine_draft_forwards(k)
 
 
 def expected_acceptance(metrics: dict, k: int) -> float | None:

@@ -27,13 +27,19 @@ STAGES = {
     "bench": ("headstart.inference.bench", "benchmark heads against plain greedy and prompt lookup"),
     "export": ("headstart.heads.export", "export heads for a serving engine (vLLM, SGLang, speculators, llama.cpp)"),
 }
-# a training method -> its trainer
-TRAINERS = {"medusa": "headstart.train.medusa", "medusa2": "headstart.train.medusa",
-            "eagle": "headstart.train.eagle", "eagle3": "headstart.train.eagle",
-            "dflash": "headstart.train.dflash"}
-TRAIN_USAGE = ("usage: headstart train --config RECIPE [flags] | headstart train --method METHOD [flags]\n"
-               f"The trainer is the recipe's method: (or --method, which wins): {', '.join(TRAINERS)}.\n"
-               "`headstart train --method medusa --help` lists a trainer's flags.")
+
+
+def trainers() -> dict[str, str]:
+    """A training method -> its trainer module: each registered drafting method's declaration (heads/methods.py)."""
+    from headstart.heads.methods import method_names, method_of
+
+    return {name: method_of(name).trainer for name in method_names() if method_of(name).trainer is not None}
+
+
+def train_usage() -> str:
+    return ("usage: headstart train --config RECIPE [flags] | headstart train --method METHOD [flags]\n"
+            f"The trainer is the recipe's method: (or --method, which wins): {', '.join(trainers())}.\n"
+            "`headstart train --method medusa --help` lists a trainer's flags.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,19 +69,20 @@ def trainer_module(argv: list[str]) -> str | None:
     one. ConfigError for an unknown method or a missing recipe."""
     from headstart.train.config import ConfigError, read_recipe_yaml
 
+    known = trainers()
     method = last_flag_value(argv, "--method")
     recipe = last_flag_value(argv, "--config")
     if method is None and recipe is not None:
         data = read_recipe_yaml(recipe)
         method = data.get("method") if isinstance(data, dict) else None
         if method is None:
-            raise ConfigError(f"recipe {recipe} has no method: field: pass --method ({', '.join(TRAINERS)})")
+            raise ConfigError(f"recipe {recipe} has no method: field: pass --method ({', '.join(known)})")
     if method is None:
         return None
-    if method not in TRAINERS:
+    if method not in known:
         raise ConfigError(f"unknown method {method!r}: pass --method (or a recipe's method:) as one of "
-                          f"{', '.join(TRAINERS)}")
-    return TRAINERS[method]
+                          f"{', '.join(known)}")
+    return known[method]
 
 
 def run_stage(module_name: str, argv: list[str], prog: str) -> int:
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run_main(pick)  # a missing recipe or an unknown method: one line, exit 2
     if module is None:
-        print(TRAIN_USAGE, file=sys.stdout if {"-h", "--help"} & set(rest) else sys.stderr)
+        print(train_usage(), file=sys.stdout if {"-h", "--help"} & set(rest) else sys.stderr)
         return 0 if {"-h", "--help"} & set(rest) else 2
     return run_stage(module, rest, "headstart train")
 

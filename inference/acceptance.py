@@ -65,11 +65,10 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
 
 def chain_depth(spec: Speculator) -> int:
     """The chain an engine export of these heads serves by default (heads/export.py `speculative_tokens`)."""
-    from headstart.heads.directory import read_method, read_metrics
+    from headstart.heads.directory import read_metrics
     from headstart.heads.export import speculative_tokens
 
-    heads_dir = Path(spec.heads_dir)
-    return speculative_tokens(read_method(heads_dir), spec.heads.config, read_metrics(heads_dir), None)
+    return speculative_tokens(spec.heads.config, read_metrics(Path(spec.heads_dir)), None)
 
 
 def write_chain_acceptance(spec: Speculator, rows: list, max_new_tokens: int, prompts: str, per_category: int,

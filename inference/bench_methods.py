@@ -42,7 +42,7 @@ class Run:
 @dataclass
 class Method:
     name: str
-    kind: str  # vanilla | prompt_lookup | medusa | eagle | eagle3
+    kind: str  # vanilla | prompt_lookup | a drafting method's first name (heads/methods.py): medusa, eagle3...
     run: Callable[[list[int], int], Run]
     info: dict = field(default_factory=dict)  # heads dir, tree...
     trace: Callable[[list[int], int], tuple[list[int], torch.Tensor]] | None = None  # untimed rerun: tokens, logits
@@ -184,16 +184,12 @@ def heads_method(entry: HeadsEntry, spec: Speculator, stops: Sequence[int], devi
             + (FIXED_SUFFIX if suffix_fixed and not adaptive else ""))
     info = {"heads_dir": str(entry.path), "lookup": lookup, "exact": exact, "adaptive": adaptive,
             "draft_vocab_size": spec.heads.config.draft_vocab_size}
-    if spec.is_eagle:
+    method = spec.method  # the heads' declaration (heads/methods.py)
+    if method.dynamic_tree:
         dyn = spec.dynamic
-        info.update({"method": spec.heads.config.method,
-                     "tree": {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}})
-        return Method(name=name, kind=spec.heads.config.method, run=run, trace=trace, info=info)
-    tree = spec.tree
-    choices = tree_choices(tree)
-    info["tree"] = {"size": tree.size, "depth": tree.max_depth, "choices": choices}
-    if spec.is_dflash:
-        info.update({"method": "dflash", "block_size": spec.heads.config.block_size})
-        return Method(name=name, kind="dflash", run=run, trace=trace, info=info)
-    info["num_heads"] = spec.heads.config.num_heads
-    return Method(name=name, kind="medusa", run=run, trace=trace, info=info)
+        info["tree"] = {"dynamic": True, "size": dyn.total_tokens, "depth": dyn.depth, "topk": dyn.topk}
+    else:
+        tree = spec.tree
+        info["tree"] = {"size": tree.size, "depth": tree.max_depth, "choices": tree_choices(tree)}
+    info.update(method.bench_info(spec.heads.config))
+    return Method(name=name, kind=method.names[0], run=run, trace=trace, info=info)

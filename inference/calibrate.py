@@ -363,13 +363,15 @@ def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
     return None
 
 
-def draft_timer(model: PreTrainedModel, feature_layers: list[int], prefix_len: int,
+def draft_timer(model: PreTrainedModel, prefix_len: int,
                 proposer_for: Callable[[list[list[int]]], Proposer]) -> Callable[[list[list[int]]], Callable[[], None]]:
-    """For a draft that reads the target's features (EAGLE, DFlash): draft_for(choices) -> a callable drafting one
-    tree of that shape after a prefix_len context, with a fresh proposer_for(choices) that has committed it."""
+    """For a draft whose cost depends on its tree (EAGLE, DFlash): draft_for(choices) -> a callable drafting one
+    tree of that shape after a prefix_len context, with a fresh proposer_for(choices) that has committed it (the
+    target taps its feature_layers name included)."""
     vocab = model.get_output_embeddings().weight.shape[0]
     device = next(model.parameters()).device
     context = torch.randint(0, vocab, (prefix_len + 1,), generator=torch.Generator().manual_seed(1)).tolist()
+    feature_layers = proposer_for([[0]]).feature_layers
     _, hidden, taps = target_forward(model, torch.tensor([context[:-1]], device=device), DynamicCache(),
                                      feature_layers=feature_layers)
 

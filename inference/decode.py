@@ -140,7 +140,7 @@ def speculative_generate(
     plain greedy's in half precision where the device's matmul is row-invariant; slower.
     keep_logits: also return, per emitted token, the target's logits row that chose it (analysis, not timing).
     policy: adaptive drafting (inference/adapt.py): each step verifies what the policy chooses (`lookup` unused);
-    the proposer then needs `resize(choices)`.
+    the proposer must be `resizable`.
     """
     sampling = sampling or SamplingConfig()
     if sampling.acceptance not in ("auto", "typical"):
@@ -159,9 +159,8 @@ def speculative_generate(
     stats = GenerateStats()
     start = time.perf_counter()
 
-    feature_layers = getattr(proposer, "feature_layers", None)  # an EAGLE draft reads these target taps
-    if hasattr(proposer, "reset"):
-        proposer.reset()
+    feature_layers = proposer.feature_layers  # the target taps the draft reads (EAGLE, DFlash)
+    proposer.reset()
     cache = DynamicCache()
     logits, hidden, taps = target_forward(model, ids[None].to(device), cache, last_only=True,
                                           feature_layers=feature_layers)  # [1, V], [1, h], [L, n*h]

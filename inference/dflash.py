@@ -17,11 +17,14 @@ from typing import Callable
 
 import torch
 
-from headstart.inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
+from headstart.inference.adapt import dflash_draft_prior
+from headstart.inference.tree import DraftInput, Proposer, Tree, static_tree_tokens, tree_from_choices
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """Proposer (inference/tree.py) for a DFlash draft over a static tree; one per generated sequence (stateful)."""
+
+    resizable = True
 
     def __init__(self, draft: torch.nn.Module, model, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor]):
         self.draft = draft
@@ -88,3 +91,14 @@ class DFlashProposer:
             (torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2))
             for (old_k, old_v), (new_k, new_v) in zip(self.cache, new)]
         self.committed += k
+
+
+def dflash_proposer(draft: torch.nn.Module, model, tree: Tree,
+                    project: Callable[[torch.Tensor], torch.Tensor]) -> DFlashProposer:
+    """The DFlash declaration's proposer factory (heads/dflash.py DFLASH)."""
+    return DFlashProposer(draft, model, tree, project)
+
+
+def draft_prior(config, draft_vocab_fraction: float) -> dict[int, float]:
+    """The DFlash declaration's draft-cost prior (inference/adapt.py): its layers and the rows it scores."""
+    return dflash_draft_prior(config.num_layers, draft_vocab_fraction)

@@ -15,12 +15,15 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from headstart.inference.adapt import PRIOR_EAGLE_DRAFT_RATIO
 from headstart.inference.forward import compact_cache
-from headstart.inference.tree import DynamicTreeConfig, Tree, build_dynamic_tree
+from headstart.inference.tree import DynamicTreeConfig, Proposer, Tree, build_dynamic_tree
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """Proposer (inference/tree.py) for an EAGLE-1/3 draft; one per generated sequence (it is stateful)."""
+
+    resizable = True
 
     def __init__(self, draft, model, config: DynamicTreeConfig):
         self.draft = draft
@@ -124,3 +127,12 @@ def dynamic_config_from_choices(choices: list[list[int]]) -> DynamicTreeConfig:
     return DynamicTreeConfig(topk=max(max(c) for c in choices) + 1, depth=max(len(c) for c in choices),
                              total_tokens=len(choices) + 1)
 
+
+def eagle_proposer(draft, model, config: DynamicTreeConfig, project=None) -> EagleProposer:
+    """The EAGLE declarations' proposer factory (heads/eagle.py EAGLE, EAGLE3): the draft scores with its own lm_head."""
+    return EagleProposer(draft, model, config)
+
+
+def draft_prior(config, draft_vocab_fraction: float) -> dict[int, float]:
+    """The EAGLE declarations' draft-cost prior (inference/adapt.py), by tree nodes."""
+    return PRIOR_EAGLE_DRAFT_RATIO

@@ -10,11 +10,14 @@ from typing import Callable
 
 import torch
 
-from headstart.inference.tree import DraftInput, Tree, static_tree_tokens, tree_from_choices
+from headstart.inference.adapt import medusa_draft_prior
+from headstart.inference.tree import DraftInput, Proposer, Tree, static_tree_tokens, tree_from_choices
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """Proposer (inference/tree.py) for Medusa heads over a static tree."""
+
+    resizable = True
 
     def __init__(self, heads: torch.nn.Module, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor] | None = None):
         num_heads = heads.config.num_heads
@@ -61,3 +64,14 @@ def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,
             raise ValueError("these Medusa heads share the target's lm_head: pass its projection")
         return project(feats)  # one matmul for all heads
     return torch.stack([heads.lm_heads[k](feats[k]) for k in range(depth)])
+
+
+def medusa_proposer(heads: torch.nn.Module, model, tree: Tree,
+                    project: Callable[[torch.Tensor], torch.Tensor] | None) -> MedusaProposer:
+    """The Medusa declaration's proposer factory (heads/medusa.py MEDUSA)."""
+    return MedusaProposer(heads, tree, project)
+
+
+def draft_prior(config, draft_vocab_fraction: float) -> dict[int, float]:
+    """The Medusa declaration's draft-cost prior (inference/adapt.py)."""
+    return medusa_draft_prior(draft_vocab_fraction)

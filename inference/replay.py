@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from headstart.heads.medusa import MEDUSA
 from headstart.heads.output_dir import OutputDirError, refuse_link, write_file
 from headstart.heads.prompt_rows import pick_per_category
 from headstart.inference.adapt import HEADS_RANKS, StepCost
@@ -32,7 +33,7 @@ from headstart.inference.medusa import medusa_logits
 from headstart.inference.tree import Tree, static_tree_tokens, tree_from_choices
 
 PLD = LookupConfig(num_tokens=10, min_ngram=1, max_ngram=2)  # HF prompt lookup's defaults
-METHODS = ("prompt_lookup", "fixed", "fixed +lookup", "adaptive", "adaptive +lookup")
+POLICIES = ("prompt_lookup", "fixed", "fixed +lookup", "adaptive", "adaptive +lookup")  # the table's rows
 
 
 def accepted_path(tree: Tree, tokens: list[int], reference: list[int], start: int) -> list[int]:
@@ -47,12 +48,13 @@ def accepted_path(tree: Tree, tokens: list[int], reference: list[int], start: in
         node = nxt
 
 
-def replay(method: str, seq: list[int], prompt_len: int, topk: torch.Tensor, cost: StepCost, fixed: Tree,
+def replay(policy_name: str, seq: list[int], prompt_len: int, topk: torch.Tensor, cost: StepCost, fixed: Tree,
            make_policy) -> tuple[int, float, int]:
-    """(tokens after the first, charged one-token steps, steps) of one method over one reference.
+    """(tokens after the first, charged one-token steps, steps) of one decoding policy (a POLICIES row) over one
+    reference.
     topk: [positions, depth, ranks] the heads' drafts when the root is seq[prompt_len + i]."""
     i, charged, steps = prompt_len, 0.0, 0
-    policy = make_policy(method.endswith("+lookup")) if method.startswith("adaptive") else None
+    policy = make_policy(policy_name.endswith("+lookup")) if policy_name.startswith("adaptive") else None
     while i < len(seq) - 1:
         context, root = seq[: i + 1], seq[i]
         drafts = topk[i - prompt_len]
@@ -68,13 +70,13 @@ def replay(method: str, seq: list[int], prompt_len: int, topk: torch.Tensor, cos
             heads_nodes = len(plan.heads_choices) + 1 if plan.heads_choices else 0
         else:
             chain = []
-            if method == "prompt_lookup" or method == "fixed +lookup":
-                chain = lookup_continuation(context, PLD if method == "prompt_lookup"
+            if policy_name in ("prompt_lookup", "fixed +lookup"):
+                chain = lookup_continuation(context, PLD if policy_name == "prompt_lookup"
                                             else LookupConfig(num_tokens=fixed.size - 1))
             if chain:
                 tree, tokens = chain_draft(root, chain)
                 heads_nodes = 0
-            elif method == "prompt_lookup":
+            elif policy_name == "prompt_lookup":
                 tree, tokens, heads_nodes = tree_from_choices([]), torch.tensor([root]), 0
             else:
                 tree, tokens, heads_nodes = fixed, static_tree_tokens(fixed, root, drafts), fixed.size
@@ -112,18 +114,18 @@ def references(spec, rows: Sequence, max_new_tokens: int) -> list[dict]:
 
 
 def modeled(spec, refs: list[dict]) -> dict:
-    """{method: {category | "all": {"speedup", "tau", "tokens"}}}."""
+    """{policy: {category | "all": {"speedup", "tau", "tokens"}}}."""
     results: dict[str, dict] = {}
-    for method in METHODS:
+    for policy_name in POLICIES:
         sums: dict[str, list[float]] = {}
         for ref in refs:
-            tokens, charged, steps = replay(method, ref["seq"], ref["prompt_len"], ref["topk"], spec.step_cost,
+            tokens, charged, steps = replay(policy_name, ref["seq"], ref["prompt_len"], ref["topk"], spec.step_cost,
                                             spec.tree, spec.make_policy)
             for key in (ref["category"], "all"):
                 acc = sums.setdefault(key, [0, 0.0, 0])
                 acc[0], acc[1], acc[2] = acc[0] + tokens, acc[1] + charged, acc[2] + steps
         order = [key for key in sums if key != "all"] + ["all"]
-        results[method] = {key: {"speedup": sums[key][0] / sums[key][1] if sums[key][1] else None,
+        results[policy_name] = {key: {"speedup": sums[key][0] / sums[key][1] if sums[key][1] else None,
                                  "tau": sums[key][0] / sums[key][2] if sums[key][2] else None, "tokens": sums[key][0]}
                            for key in order}
     return results
@@ -150,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SpeculatorError, PromptSourceError, OutputDirError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if spec.is_eagle or spec.is_dflash:
+    if spec.method is not MEDUSA:  # the drafts must depend on the target's hidden state alone
         print(f"error: replay needs Medusa heads (these are {spec.heads.config.method}): use "
               "python -m headstart.inference.bench for EAGLE and DFlash drafts", file=sys.stderr)
         return 2
@@ -159,8 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("Modeled speedup over plain greedy (tau), replayed on the target's greedy outputs")
     print("| method | " + " | ".join(keys) + " |")
     print("|---|" + "---:|" * len(keys))
-    for method, by_key in results.items():
-        print(f"| {method} | " + " | ".join(f"{v['speedup']:.2f}x ({v['tau']:.2f})" for v in by_key.values()) + " |")
+    for policy_name, by_key in results.items():
+        print(f"| {policy_name} | " + " | ".join(f"{v['speedup']:.2f}x ({v['tau']:.2f})" for v in by_key.values()) + " |")
     if args.output:
         write_file(Path(args.output), json.dumps(results, indent=1) + "\n")  # never through a link
     return 0

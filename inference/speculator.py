@@ -17,31 +17,31 @@ from transformers import PreTrainedModel
 
 from headstart.heads.chat import stop_token_ids as default_stop_ids
 from headstart.heads.directory import HeadsLoadError, resolve_heads_dir
+from headstart.heads.draft_method import resolve
 from headstart.heads.load import load_heads_and_target
+from headstart.heads.methods import UnknownMethodError, method_of
 from headstart.heads.output_dir import OutputDirError
 from headstart.inference.calibrate import (CALIBRATION_SIZES, ROUNDS, TREE_FILE, Timer, TreeCalibration, calibrate_tree,
                                  draft_timer, read_accuracy, read_tree_record, stale_reason, step_cost_points,
                                  write_tree_record)
-from headstart.inference.adapt import (PRIOR_EAGLE_DRAFT_RATIO, AdaptConfig, AdaptivePolicy, StepCost,
-                             dflash_draft_prior, medusa_draft_prior)
+from headstart.inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
 from headstart.inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
 from headstart.inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
-from headstart.inference.dflash import DFlashProposer
-from headstart.inference.eagle import EagleProposer, dynamic_config_from_choices
+from headstart.inference.eagle import dynamic_config_from_choices
 from headstart.inference.lookup import LookupConfig
-from headstart.inference.medusa import MedusaProposer
 from headstart.inference.ngram import NGRAM_FILE, NgramTable
 from headstart.inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
 
-DEFAULT_EAGLE_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
+DEFAULT_DYNAMIC_TREE = DynamicTreeConfig(topk=4, depth=4, total_tokens=8)  # as many nodes as the default Medusa tree
 
 
 class Speculator:
     """Draft heads (Medusa, EAGLE-1/3 or DFlash) + their target + a tree. `generate` is lossless unless
     acceptance='typical'.
 
-    Medusa heads and a DFlash draft fill a static tree (`self.tree`) from per-depth top-k tokens; an EAGLE draft
-    grows a dynamic tree of `self.dynamic`'s size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
+    What the heads are and how they draft is their method's declaration (`self.method`, heads/methods.py). Medusa
+    heads and a DFlash draft fill a static tree (`self.tree`) from per-depth top-k tokens; an EAGLE draft (a
+    `dynamic_tree` method) grows a dynamic tree of `self.dynamic`'s size each step. For Medusa-2 heads (config.adapter) the target is the LoRA-merged one: outputs equal *its*
     greedy decoding / distribution (a target you pass in is copied first). In float32 on a CPU the target's and
     the heads' nn.Linear layers are switched in place to CpuLinears, which take per call the kernel (oneDNN or
     PyTorch's default) measured fastest here for that many rows (inference/cpu_linear.py: the same weights; plain
@@ -71,42 +71,38 @@ class Speculator:
         # directories written before it)
         self.ngram = (NgramTable.load(ngram_file, heads.config.vocab_size) if ngram_file is not None and ngram_file.is_file()
                       else None)
-        self.is_eagle = str(heads.config.method).startswith("eagle")
-        self.is_dflash = heads.config.method == "dflash"
+        try:
+            self.method = method_of(heads.config)  # everything method-specific below comes from its declaration
+        except UnknownMethodError as err:
+            raise SpeculatorError(str(err)) from err
+        self.dynamic_tree = self.method.dynamic_tree
+        self._new_proposer = resolve(self.method.proposer)
         scored = getattr(heads.config, "draft_vocab_size", 0) or heads.config.vocab_size  # tokens the heads score
         vocab_fraction = scored / heads.config.vocab_size
-        draft_prior = (PRIOR_EAGLE_DRAFT_RATIO if self.is_eagle else
-                       dflash_draft_prior(heads.config.num_layers, vocab_fraction) if self.is_dflash else
-                       medusa_draft_prior(vocab_fraction))
-        self.step_cost = StepCost(None, draft_prior)
-        self.max_depth = (DEFAULT_EAGLE_TREE.depth if self.is_eagle else
-                          heads.config.block_size - 1 if self.is_dflash else heads.config.num_heads)
-        share = self.is_dflash or (not self.is_eagle and heads.config.share_lm_head)
-        # Medusa heads sharing the target's lm_head, and a DFlash draft, score its draft-vocabulary rows: sliced and
-        # packed once
+        self.step_cost = StepCost(None, resolve(self.method.draft_prior)(heads.config, vocab_fraction))
+        depth = self.method.max_depth(heads.config)  # None: a dynamic tree drafts any depth
+        self.max_depth = DEFAULT_DYNAMIC_TREE.depth if depth is None else depth
+        # heads scoring the target's draft-vocabulary lm_head rows (Medusa sharing it, DFlash): sliced and packed once
         self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), kernels)
-                              if share else None)
-        self.tree: Tree | None = None  # Medusa: the static tree
-        self.dynamic: DynamicTreeConfig | None = None  # EAGLE: the dynamic tree's size
+                              if self.method.scores_target_rows(heads.config) else None)
+        self.tree: Tree | None = None  # a static tree's method: the tree
+        self.dynamic: DynamicTreeConfig | None = None  # a dynamic tree's method: its size
         self.set_tree(tree)  # see from_pretrained for the values
 
     @property
     def tree_size(self) -> int:
         """Nodes per verification (root included): the static tree's, or the dynamic tree's total."""
-        return self.dynamic.total_tokens if self.is_eagle else self.tree.size
+        return self.dynamic.total_tokens if self.dynamic_tree else self.tree.size
 
     def make_proposer(self) -> Proposer:
-        if self.is_eagle:
-            return EagleProposer(self.heads, self.model, self.dynamic)
-        if self.is_dflash:
-            return DFlashProposer(self.heads, self.model, self.tree, self.draft_project)
-        return MedusaProposer(self.heads, self.tree, self.draft_project)
+        """A fresh proposer of the heads' method drafting the current tree."""
+        shape = self.dynamic if self.dynamic_tree else self.tree
+        return self._new_proposer(self.heads, self.model, shape, self.draft_project)
 
     def _proposer_for(self, choices: list[list[int]]) -> Proposer:
-        """A fresh proposer of an EAGLE or DFlash draft drafting the tree of these choices (for timing it)."""
-        if self.is_eagle:
-            return EagleProposer(self.heads, self.model, dynamic_config_from_choices(choices))
-        return DFlashProposer(self.heads, self.model, tree_from_choices(choices), self.draft_project)
+        """A fresh proposer drafting the tree of these choices (for timing it)."""
+        shape = dynamic_config_from_choices(choices) if self.dynamic_tree else tree_from_choices(choices)
+        return self._new_proposer(self.heads, self.model, shape, self.draft_project)
 
     @classmethod
     def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
@@ -132,16 +128,17 @@ class Speculator:
     def set_tree(self, tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None) -> None:
         """See `from_pretrained` for the accepted values (EAGLE: also a DynamicTreeConfig)."""
         if isinstance(tree, DynamicTreeConfig):
-            if not self.is_eagle:
-                raise SpeculatorError("a dynamic tree needs an EAGLE draft; Medusa heads take tree choices")
+            if not self.dynamic_tree:
+                raise SpeculatorError(f"a dynamic tree needs a draft that grows one (EAGLE); {self.method.title} "
+                                      "draft static trees: pass tree choices")
             self.dynamic = tree
             return
         saved = self.heads_dir / TREE_FILE if self.heads_dir is not None else None
         if tree is None:
             tree = "default" if saved is None or not saved.is_file() else self._saved_tree(saved)
         if tree == "default":
-            if self.is_eagle:
-                self.dynamic = DEFAULT_EAGLE_TREE
+            if self.dynamic_tree:
+                self.dynamic = DEFAULT_DYNAMIC_TREE
                 return
             choices = default_choices(self.max_depth)
         elif tree == "auto":
@@ -163,8 +160,8 @@ class Speculator:
         else:
             choices = tree
         cfg = self.heads.config
-        try:  # EAGLE drafts any depth; Medusa has one head per depth, DFlash block_size - 1 slots
-            choices = check_choices(choices, None if self.is_eagle else self.max_depth,
+        try:  # a dynamic tree drafts any depth; a static tree's method declares its deepest (Medusa: its heads)
+            choices = check_choices(choices, None if self.dynamic_tree else self.max_depth,
                                     getattr(cfg, "draft_vocab_size", 0) or cfg.vocab_size)
         except ValueError as err:
             raise SpeculatorError(f"tree {tree if isinstance(tree, (str, Path)) else 'choices'}: {err}") from err
@@ -183,7 +180,7 @@ class Speculator:
         return "auto"
 
     def _use_choices(self, choices: list[list[int]]) -> None:
-        if self.is_eagle:
+        if self.dynamic_tree:
             self.dynamic = dynamic_config_from_choices(choices)
         else:
             self.tree = tree_from_choices(choices)
@@ -192,9 +189,8 @@ class Speculator:
                   timer: Timer | None = None) -> TreeCalibration:
         """Time the target on this device, choose the tree, store it as tree.json in the heads dir."""
         accuracy = read_accuracy(self.heads_dir) if self.heads_dir is not None else None
-        draft_for = (draft_timer(self.model, self.heads.config.feature_layers, prefix_len, self._proposer_for)
-                     if self.is_eagle or self.is_dflash else None)
-        if self.is_eagle and accuracy is not None:
+        draft_for = draft_timer(self.model, prefix_len, self._proposer_for) if self.method.timed_per_tree else None
+        if self.dynamic_tree and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,
                                draft_for, timer, previous=self._previous_choices())
@@ -247,7 +243,7 @@ class Speculator:
         keep_logits: also return the target's logits row behind each token (out.logits; for analysis).
         adaptive: each step verifies a plain step, a heads tree, lookup branches or both, whichever this
         generation's acceptance so far says pays most (inference/adapt.py; default self.adaptive; a proposer
-        without `resize` runs without); off: self.tree every step, a lookup chain of its node count instead when
+        that is not `resizable` runs without); off: self.tree every step, a lookup chain of its node count instead when
         the context repeats.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -259,7 +255,7 @@ class Speculator:
         use_lookup = self.lookup if lookup is None else lookup
         chain = LookupConfig(num_tokens=self.tree_size - 1) if use_lookup and self.tree_size > 1 else None
         proposer = proposer or self.make_proposer()
-        adapt = (self.adaptive if adaptive is None else adaptive) and hasattr(proposer, "resize")
+        adapt = (self.adaptive if adaptive is None else adaptive) and proposer.resizable
         policy = self.make_policy(use_lookup) if adapt else None
         return speculative_generate(self.model, proposer, input_ids, max_new_tokens, sampling,
                                     stop_token_ids, generator, on_tokens, chain,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -254,7 +254,7 @@ def best_choices(accuracy: Sequence[Sequence[float]], num_nodes: int, max_depth:
 DraftFn = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
-@dataclass(frozen=True)  # shared defaults (DEFAULT_EAGLE_TREE) are never changed in place
+@dataclass(frozen=True)  # shared defaults (speculator.py DEFAULT_DYNAMIC_TREE) are never changed in place
 class DynamicTreeConfig:
     topk: int = 4  # children per expanded node, and frontier width
     depth: int = 4  # expansion steps
@@ -319,6 +319,26 @@ class DraftInput:
     # entries added since its last call (the prompt, then each accepted path); None unless it has feature_layers
 
 
-class Proposer(Protocol):
+class Proposer:
+    """Everything the decode loop (inference/decode.py) calls on a draft; a method's proposer subclasses it.
+
+    One proposer drafts one sequence at a time: `reset` before each prompt, then a call per step. With
+    `feature_layers` the loop computes those target taps (HF hidden_states indices) and hands each call the ones of
+    the cache entries added since the last (DraftInput.features). A `resizable` proposer drafts the tree `resize`
+    names from then on, so the adaptive policy (inference/adapt.py) can drive it; the loop runs a fixed tree
+    otherwise.
+    """
+
+    feature_layers: list[int] | None = None  # the target taps it reads; None: the final hidden state only
+    resizable: bool = False  # resize(choices) is implemented
+
+    def reset(self) -> None:
+        """Forget the previous sequence (before each prefill): a stateless proposer has nothing to forget."""
+
+    def resize(self, choices: list[list[int]]) -> None:
+        """Draft the tree of these choices (static) or of their size, depth and width (dynamic) from now on."""
+        raise NotImplementedError(f"{type(self).__name__} drafts one tree: it cannot resize (resizable is False)")
+
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
         """-> (tree, tokens [N]) with tokens[0] == draft.root."""
+        raise NotImplementedError

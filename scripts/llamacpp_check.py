@@ -172,13 +172,15 @@ def llamacpp_tau(runs: list[dict]) -> float:
 
 def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
                 out: Path, version: str) -> dict:
-    from headstart.heads.directory import read_method
     from headstart.heads.export import export_heads
     from headstart.heads.export_gguf import GGUF_FILE, SPEC_TYPES, read_target_gguf
+    from headstart.heads.load import read_heads_config
+    from headstart.heads.methods import method_of
 
-    method = read_method(Path(heads_dir))
-    config = json.loads((Path(heads_dir) / "config.json").read_text())
-    k = config["block_size"] - 1 if method == "dflash" else args.k
+    heads_config = read_heads_config(Path(heads_dir))
+    method = heads_config.method
+    fixed = method_of(heads_config).engine_chain(heads_config)  # DFlash: its block, whatever --k says
+    k = args.k if fixed is None else fixed
     exp = out / f"export-{Path(heads_dir).parent.name}-{target_gguf.stem}"  # the export, and the servers' logs
     export_heads(heads_dir, exp, "llamacpp", target=loaded[0], num_speculative_tokens=k, overwrite=True,
                  target_gguf=target_gguf)

@@ -261,8 +261,10 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
 
 
 def compare(args: argparse.Namespace) -> int:
-    from headstart.heads.directory import read_method
+    from headstart.heads.eagle import EAGLE3
     from headstart.heads.export import export_heads
+    from headstart.heads.load import read_heads_config
+    from headstart.heads.methods import method_of
     from headstart.heads.output_dir import write_file
 
     claim, target_dir, loaded, prompts, prompts_file = prepare_run(args)
@@ -277,12 +279,14 @@ def compare(args: argparse.Namespace) -> int:
         return 1
     results["vllm_base"] = {k: base[k] for k in ("load_s", "generate_s")}
     for heads_dir in args.heads:
-        method = read_method(Path(heads_dir))
-        k = json.loads((Path(heads_dir) / "config.json").read_text())["block_size"] - 1 if method == "dflash" else args.k
+        heads_config = read_heads_config(Path(heads_dir))
+        method, declared = heads_config.method, method_of(heads_config)
+        fixed = declared.engine_chain(heads_config)  # DFlash: its block, whatever --k says
+        k = args.k if fixed is None else fixed
         hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
         hs_identical = sum(a == b[: len(a)] or b == a[: len(b)] for a, b in zip(hs["outputs"], base["outputs"]))
         for fmt in args.formats:
-            if method != "eagle3" and fmt == "speculators":
+            if fmt not in declared.formats:
                 continue
             exp = out / f"export-{Path(heads_dir).parent.name}-{fmt}"
             export_heads(heads_dir, exp, fmt, target=loaded[0], num_speculative_tokens=k, overwrite=True)
@@ -296,7 +300,7 @@ def compare(args: argparse.Namespace) -> int:
             row = {"heads": heads_dir, "method": method, "format": fmt, "k": k, "headstart_tau": round(hs["tau"], 4),
                    "headstart_decode_forwards": hs["decode_forwards"],
                    "headstart_identical_to_vllm_base": f"{hs_identical}/{len(prompts)}"}
-            if method == "eagle3":
+            if declared is EAGLE3:  # its optional norms (heads/eagle.py NORM_FLAGS)
                 row["norms"] = {n: draft_config.get(n, False) for n in ("norm_before_fc", "norm_before_residual", "norm_output")}
             if "error" in run:
                 row["error"] = run["error"]

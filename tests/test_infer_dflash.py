@@ -8,13 +8,13 @@ import torch
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from transformers import DynamicCache
 
-from headstart.heads.dflash import DFlashDraft, dflash_config_for
+from headstart.heads.dflash import DFLASH, DFlashDraft, dflash_config_for
 from headstart.heads.target import fingerprint
 from headstart.inference.decode import SamplingConfig, speculative_generate
 from headstart.inference.dflash import DFlashProposer
 from headstart.inference.forward import target_forward
 from headstart.inference.generate import Speculator, SpeculatorError
-from headstart.inference.tree import tree_from_choices
+from headstart.inference.tree import Proposer, tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -87,15 +87,19 @@ def test_draft_vocabulary_scores_only_its_tokens():
     prompt = torch.randint(0, 15, (1, 6), generator=torch.Generator().manual_seed(2))
     proposer = spec.make_proposer()
     drafted = []
-    original = proposer.__call__
 
-    def record(inp):
-        tree, tokens = original(inp)
-        drafted.extend(tokens[1:].tolist())
-        return tree, tokens
+    class Recording(Proposer):  # the draft's proposer, its drafts recorded
+        feature_layers = proposer.feature_layers  # the decode loop computes these taps for the draft
 
-    record.feature_layers = proposer.feature_layers  # the decode loop computes these taps for the draft
-    out = speculative_generate(model, record, prompt, 24, stop_token_ids=[])
+        def reset(self):
+            proposer.reset()
+
+        def __call__(self, inp):
+            tree, tokens = proposer(inp)
+            drafted.extend(tokens[1:].tolist())
+            return tree, tokens
+
+    out = speculative_generate(model, Recording(), prompt, 24, stop_token_ids=[])
     ref = model.generate(prompt, max_new_tokens=24, do_sample=False)[0, 6:].tolist()
     assert out.tokens == ref and drafted and all(t % 2 == 0 for t in drafted)
 
@@ -125,7 +129,7 @@ def test_speculator_loads_dflash_dirs_sizes_trees_and_refuses_another_target(tmp
     model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=0))
     make_draft(model, block_size=4).save_pretrained(tmp_path)
     spec = Speculator.from_pretrained(str(tmp_path), target=model, tree="default")
-    assert spec.is_dflash and spec.max_depth == 3 and spec.tree.max_depth <= 3
+    assert spec.method is DFLASH and spec.max_depth == 3 and spec.tree.max_depth <= 3
     prompt = torch.randint(0, 15, (10,), generator=torch.Generator().manual_seed(0))
     ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 10:].tolist()
     assert spec.generate(prompt, 24, stop_token_ids=[]).tokens == ref

@@ -181,7 +181,7 @@ def test_speculator_loads_eagle_dirs_and_refuses_another_target(tmp_path):
         draft = make_draft(model, method)
         draft.save_pretrained(tmp_path / method)
         spec = Speculator.from_pretrained(str(tmp_path / method), target=model, tree="default")
-        assert spec.is_eagle and spec.heads.config.method == method
+        assert spec.dynamic_tree and spec.method.names == (method,)
         prompt = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(0))
         ref = model.generate(prompt[None], max_new_tokens=24, do_sample=False)[0, 10:].tolist()
         assert spec.generate(prompt, 24).tokens == ref

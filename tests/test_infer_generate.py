@@ -17,7 +17,7 @@ from headstart.inference.cpu_linear import projection
 from headstart.inference.decode import SamplingConfig, speculative_generate
 from headstart.inference.generate import Speculator, SpeculatorError, TextStream, main
 from headstart.inference.medusa import MedusaProposer, medusa_logits
-from headstart.inference.tree import DraftInput, DynamicTreeConfig, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
+from headstart.inference.tree import DraftInput, DynamicTreeConfig, Proposer, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
 
 VOCAB = 128
 PROMPT_LEN = 8
@@ -38,7 +38,7 @@ def random_heads(num_heads: int = 3, seed: int = 0, target=None) -> MedusaHeads:
     return heads.eval()
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Test-only draft that knows the target's greedy continuation `ref` (prompt + output).
 
     At each depth it puts the true next token at rank 0 with probability p_top, at rank 1 or 2
@@ -587,13 +587,14 @@ def test_greedy_exact_with_dynamic_trees(model_type):
         full = prompts[i].tolist() + refs[i]
         draft = _oracle_dynamic_draft(full, seed=i)
 
-        def recording(d: DraftInput, draft=draft):  # a new tree from the draft every step, EAGLE-2 style
-            tree, toks = build_dynamic_tree(d.root, lambda *partial: draft(d, *partial),
-                                            DynamicTreeConfig(topk=3, depth=4, total_tokens=12))
-            shapes.add(tuple(tree.parents))
-            return tree, toks
+        class Recording(Proposer):  # a new tree from the draft every step, EAGLE-2 style
+            def __call__(self, d: DraftInput, draft=draft):
+                tree, toks = build_dynamic_tree(d.root, lambda *partial: draft(d, *partial),
+                                                DynamicTreeConfig(topk=3, depth=4, total_tokens=12))
+                shapes.add(tuple(tree.parents))
+                return tree, toks
 
-        out = spec.generate(prompts[i], 64, stop_token_ids=[], proposer=recording)
+        out = spec.generate(prompts[i], 64, stop_token_ids=[], proposer=Recording())
         assert out.tokens == refs[i], f"{model_type} prompt {i}: first diff at {_first_diff(out.tokens, refs[i])}"
         forwards += out.stats.decode_forwards
         tokens += out.stats.new_tokens

@@ -10,7 +10,7 @@ from test_bench import save_heads
 
 from headstart.heads.chat import prompt_ids, stop_token_ids
 from headstart.heads.prompts import load_prompts
-from headstart.inference.replay import METHODS, accepted_path, main, modeled, references
+from headstart.inference.replay import POLICIES, accepted_path, main, modeled, references
 from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
 
@@ -46,7 +46,7 @@ def test_replay_takes_the_decode_loops_steps(setup):
     rows = load_prompts(str(prompts)).rows
     refs = references(spec, rows, 24)
     results = modeled(spec, refs)
-    assert set(results) == set(METHODS) and set(results["adaptive"]) == {"chat", "code", "all"}
+    assert set(results) == set(POLICIES) and set(results["adaptive"]) == {"chat", "code", "all"}
     stops = stop_token_ids(spec.tokenizer, spec.model.generation_config)
     for method, kwargs in (("adaptive +lookup", {"lookup": True}), ("adaptive", {"lookup": False}),
                            ("fixed", {"lookup": False, "adaptive": False}),

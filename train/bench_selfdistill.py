@@ -85,25 +85,25 @@ def main(argv: list[str] | None = None) -> None:
     runs = {(m, b): [] for m in args.methods for b in sizes[m]}
     reference = None
     for repeat in range(args.repeats):
-        for method, batch_size in runs:
+        for decoding, batch_size in runs:
             start = time.perf_counter()
-            if method == "generate":
+            if decoding == "generate":
                 answers = generate_padded(model, prompts, tokenizer.pad_token_id, stop_ids, args.max_new_tokens,
                                           batch_size)
             else:
-                decoders[method].max_rows = batch_size
-                answers = decoders[method].generate(prompts, seeds=list(range(len(prompts))))
+                decoders[decoding].max_rows = batch_size
+                answers = decoders[decoding].generate(prompts, seeds=list(range(len(prompts))))
             seconds = time.perf_counter() - start
             tokens = sum(map(len, answers))
             reference = reference or answers
             same = sum(a == r for a, r in zip(answers, reference))
-            runs[(method, batch_size)].append(tokens / seconds)
-            print(f"repeat {repeat} {method:16s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
+            runs[(decoding, batch_size)].append(tokens / seconds)
+            print(f"repeat {repeat} {decoding:16s} batch {batch_size:4d}: {tokens} tokens in {seconds:.1f} s, "
                   f"{tokens / seconds:.1f} tok/s; answers equal to the first run's {same}/{len(prompts)}; "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"\n{'method':16s} batch  tok/s (median, min-max over repeats)")
-    for (method, batch_size), rates in runs.items():
-        print(f"{method:16s} {batch_size:5d}  {statistics.median(rates):7.1f} ({min(rates):.1f}-{max(rates):.1f})")
+    for (decoding, batch_size), rates in runs.items():
+        print(f"{decoding:16s} {batch_size:5d}  {statistics.median(rates):7.1f} ({min(rates):.1f}-{max(rates):.1f})")
 
 
 if __name__ == "__main__":
