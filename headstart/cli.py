@@ -6,6 +6,8 @@
     headstart generate --heads runs/medusa/heads --prompt "Tell me about owls."
     headstart bench --heads runs/medusa/heads --output runs/bench
     headstart export runs/medusa/heads out/medusa-vllm --format vllm
+    headstart acceptance --chain --heads runs/medusa/heads
+    headstart vllm-check speed --heads runs/medusa/heads --vllm_python /path/to/vllm-venv/bin/python
 
 A recipe is a file, or a shipped recipe by name from any directory (`smollm2-135m/medusa`; train/config.py
 resolve_recipe). Each stage also runs as a module: `python -m headstart.inference.bench ...`.
@@ -26,6 +28,13 @@ STAGES = {
     "generate": ("headstart.inference.generate", "generate with trained heads (speculative decoding, lossless)"),
     "bench": ("headstart.inference.bench", "benchmark heads against plain greedy and prompt lookup"),
     "export": ("headstart.heads.export", "export heads for a serving engine (vLLM, SGLang, speculators, llama.cpp)"),
+    "acceptance": ("headstart.inference.acceptance", "acceptance on held-out prompts (--chain: what an engine's "
+                   "fixed chain gets, which the export's draft length reads)"),
+    "replay": ("headstart.inference.replay", "replay the adaptive drafting policy over recorded decodes"),
+    "vllm-check": ("headstart.inference.vllm_check", "the engine check in vLLM: exports served, outputs, acceptance "
+                   "and tokens/s against headstart's"),
+    "llamacpp-check": ("headstart.inference.llamacpp_check", "the engine check in llama.cpp's llama-server: the "
+                       "same for GGUF exports"),
 }
 
 

@@ -231,7 +231,7 @@ def in_engines(cfg: DemoConfig, heads_metrics: dict) -> list[str]:
                          "export", fallback_k=k_max)
     return ["In an engine (batch 1, a fixed chain; no lookup, no tree):",
             f"- vLLM: {served_summary(vllm)}; acceptance from {acceptance_source(metrics)}. Export: `python -m headstart.heads.export {heads_dir} {cfg.output_dir}/vllm "
-            "--format vllm` (its card gives the command); measure it with scripts/vllm_check.py (docs/serving.md).",
+            "--format vllm` (its card gives the command); measure it with `headstart vllm-check speed` (docs/serving.md).",
             "- llama.cpp: it loads EAGLE-3 and DFlash drafts, not Medusa heads: train EAGLE-3 "
             "(recipes/smollm2-135m/eagle3.yaml) and export it with `--format llamacpp` (docs/serving.md, "
             "\"llama.cpp (GGUF)\")."]

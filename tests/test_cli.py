@@ -30,7 +30,8 @@ def test_help_lists_each_stage_with_its_line(capsys):
     assert out.startswith("usage: headstart [-h] [--version] STAGE ...")
     for name, (_, line) in STAGES.items():
         assert f"{name} {line}" in out
-    assert list(STAGES) == ["selfdistill", "train", "generate", "bench", "export"]
+    assert list(STAGES) == ["selfdistill", "train", "generate", "bench", "export", "acceptance", "replay", "vllm-check",
+                            "llamacpp-check"]
 
 
 def test_version_and_an_unknown_stage(capsys):
@@ -62,6 +63,10 @@ def test_train_picks_the_trainer_from_the_recipe_or_method():
     (["generate", "--help"], "usage: python -m headstart.inference.generate [-h]"),
     (["bench", "--help"], "usage: python -m headstart.inference.bench [-h]"),
     (["export", "--help"], "usage: python -m headstart.heads.export [-h]"),
+    (["acceptance", "--help"], "usage: headstart acceptance [-h]"),
+    (["replay", "--help"], "usage: python -m headstart.inference.replay [-h]"),
+    (["vllm-check", "--help"], "usage: headstart vllm-check [-h]"),
+    (["llamacpp-check", "--help"], "usage: headstart llamacpp-check [-h]"),
 ])
 def test_each_stage_shows_its_own_help(argv, usage, capsys):
     with pytest.raises(SystemExit) as done:
@@ -165,3 +170,4 @@ def test_the_wheel_holds_headstart_alone_with_the_recipes(tmp_path):
     assert {"headstart/__init__.py", "headstart/cli.py", "headstart/__main__.py"} <= set(names)
     entry_points = zipfile.ZipFile(wheel).read(f"headstart-{headstart.__version__}.dist-info/entry_points.txt")
     assert "headstart = headstart.cli:main" in entry_points.decode()
+

@@ -357,10 +357,10 @@ TO_RUN = commands_to_run(COMMANDS)
 @pytest.mark.parametrize("where,command", [(w, c) for _, w, c in TO_RUN], ids=[f"{w}:{i}" for i, w, _ in TO_RUN])
 def test_documented_command_runs(where, command, workdir, docs_target, monkeypatch, one_thread, request):
     module, args = script_and_args(command)
-    if module == "scripts.vllm_check" or module.startswith("vllm."):
+    if module == "headstart.inference.vllm_check" or module.startswith("vllm."):
         pytest.skip("vLLM's own commands need vLLM and heads trained on the embedded target: the vLLM lane (tests/test_vllm.py, with "
                     "HEADSTART_VLLM_PYTHON and HEADSTART_VLLM_HEADS) makes the same comparison")
-    if module == "scripts.llamacpp_check":
+    if module == "headstart.inference.llamacpp_check":
         pytest.skip("llama.cpp's own commands need llama-server and heads trained on the embedded target: the llama.cpp "
                     "lane (tests/test_llamacpp.py, with HEADSTART_LLAMACPP_SERVER and HEADSTART_LLAMACPP_HEADS) runs them")
     backend = last_value(args, "--backend") if module == "headstart.train.selfdistill" else None

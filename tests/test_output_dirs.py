@@ -401,8 +401,7 @@ def test_generate_writes_nothing_but_its_heads_tree_json(tiny_target_dir, heads_
 
 def test_the_llamacpp_check_refuses_an_output_directory_holding_someone_elses_files(tmp_path, heads_dir, capsys):
     """Before any export or server: a --output holding a user's results.json is refused in one line and kept."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import llamacpp_check
+    from headstart.inference import llamacpp_check
 
     out = tmp_path / "mine"
     out.mkdir()

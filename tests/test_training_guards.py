@@ -291,7 +291,7 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.selfdistill",
            "headstart.train.bench_selfdistill", "headstart.heads.export", "headstart.inference.replay",
            "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate",
-           "headstart.inference.acceptance", "scripts.vllm_check", "scripts.vllm_features", "scripts.llamacpp_check",
+           "headstart.inference.acceptance", "headstart.inference.vllm_check", "scripts.vllm_features", "headstart.inference.llamacpp_check",
            "scripts.demo"]
 
 

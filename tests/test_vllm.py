@@ -10,7 +10,7 @@ environment"):
     HEADSTART_VLLM_PYTHON=/tmp/vllm-venv/bin/python pytest -q tests/test_vllm.py     # from the headstart venv
 
 The lane runs when `vllm` imports in this interpreter, or HEADSTART_VLLM_PYTHON names a python that has it. It calls
-scripts/vllm_check.py: vLLM runs in a subprocess of that python (it spawns workers), fp32, on the embedded
+inference/vllm_check.py: vLLM runs in a subprocess of that python (it spawns workers), fp32, on the embedded
 SmolLM2-135M target (its cached safetensors copy), 2 prompts x 24 tokens. Seeded random heads prove that each export
 loads and that greedy output with the draft equals vLLM's without it; HEADSTART_VLLM_HEADS="DIR DIR ..." (trained
 heads dirs) adds the acceptance check: vLLM's mean acceptance length within 5% of headstart's tau with the same chain.
@@ -77,7 +77,7 @@ def random_heads(tmp_path_factory, embedded_target):
 
 
 def run_compare(heads: list[str], out: Path, num_prompts: int, max_new_tokens: int) -> dict:
-    cmd = [sys.executable, str(REPO / "scripts" / "vllm_check.py"), "compare", "--heads", *heads,
+    cmd = [sys.executable, str(REPO / "inference" / "vllm_check.py"), "compare", "--heads", *heads,
            "--vllm_python", PYTHON, "--num_prompts", str(num_prompts), "--max_new_tokens", str(max_new_tokens),
            "--output", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=7200)
@@ -103,7 +103,7 @@ def test_speed_mode_measures_both_engines_and_writes_engines_json(random_heads, 
 
     heads = tmp_path / "medusa" / "heads"
     shutil.copytree(random_heads[2], heads)  # engines.json goes into this copy
-    cmd = [sys.executable, str(REPO / "scripts" / "vllm_check.py"), "speed", "--heads", str(heads),
+    cmd = [sys.executable, str(REPO / "inference" / "vllm_check.py"), "speed", "--heads", str(heads),
            "--vllm_python", PYTHON, "--num_prompts", "2", "--max_new_tokens", "16", "--rounds", "2", "--k", "3",
            "--output", str(tmp_path / "speed")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=7200)

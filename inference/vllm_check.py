@@ -5,23 +5,23 @@ environment"), so this script has two modes:
 
     # in the headstart venv: render the prompts, export each heads dir, measure headstart's tau with a chain of the
     # same depth, then run vLLM (without a draft, and with each export) through the vLLM venv's python
-    python scripts/vllm_check.py compare --heads runs/eagle3/heads runs/eagle1/heads runs/medusa/heads \
+    headstart vllm-check compare --heads runs/eagle3/heads runs/eagle1/heads runs/medusa/heads \
         --vllm_python /tmp/vllm-venv/bin/python --num_prompts 8 --max_new_tokens 64 --output runs/vllm-check
 
     # EAGLE-1's fc bias folded into the draft embedding (vLLM's fc has none): the error in fp32 and bf16
-    python scripts/vllm_check.py fold-error --heads runs/eagle1/heads --num_prompts 8
+    headstart vllm-check fold-error --heads runs/eagle1/heads --num_prompts 8
 
     # served speed: export each heads dir, then batch-1 tokens/s in vLLM with and without the draft (both engines in
     # one vLLM process, prompts alternated between them, fastest of --rounds), outputs compared, vLLM's mean
     # acceptance length against headstart's prediction; the figures go to the heads dir's engines.json
-    python scripts/vllm_check.py speed --heads runs/eagle3/heads --vllm_python /tmp/vllm-venv/bin/python \
+    headstart vllm-check speed --heads runs/eagle3/heads --vllm_python /tmp/vllm-venv/bin/python \
         --num_prompts 8 --max_new_tokens 96 --rounds 2 --output runs/vllm-speed
 
     # one vLLM run (in the vLLM venv; imports only vllm and the standard library)
-    python scripts/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
+    python inference/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
         [--draft DIR --method eagle3 --k 3 [--no_weights_track] [--per_layer_k_norm]]
     # the speed mode's vLLM side (in the vLLM venv): both engines, interleaved, --rounds rounds
-    python scripts/vllm_check.py speed-run --target DIR --prompts prompts.json --max_new_tokens 96 --out run.json \
+    python inference/vllm_check.py speed-run --target DIR --prompts prompts.json --max_new_tokens 96 --out run.json \
         --draft DIR --method eagle3 --k 3 --rounds 2
 
 Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens
@@ -55,7 +55,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("without", "with")  # the speed mode's two engines: the target alone, the target with the draft
 
 
@@ -595,14 +594,12 @@ def main(argv: list[str] | None = None) -> int:
     fold.add_argument("--out", default=None, help="write the figures to this JSON file")
     args = parser.parse_args(argv)
     if args.mode == "fold-error":
-        sys.path.insert(0, str(REPO))
         return fold_error(args)
     if args.mode in ("run", "speed-run"):
         result = run_vllm(args) if args.mode == "run" else speed_vllm(args)
         Path(args.out).write_text(json.dumps(result))
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
         return 0
-    sys.path.insert(0, str(REPO))
     from headstart.train.cli import USER_ERRORS
 
     try:
