@@ -3,7 +3,7 @@
     python -m headstart.inference.acceptance --heads runs/demo/medusa/heads --prompts mix:heldout+writing --per_category 4
 
 tau counts target forwards, not seconds, so it can be measured on a busy machine: the figure that judges a training
-change (the benchmark, inference/bench.py, adds the wall clock). Each heads directory decodes the same prompts
+change (the benchmark, inference/bench/run.py, adds the wall clock). Each heads directory decodes the same prompts
 greedily with one fixed tree every step (not adaptive: the figure is the draft's; its tree.json when it has one,
 else the default; or --tree), with lookup drafting off and on; the table gives tau per family (a prompt row's
 `category`) and over all prompts, and --output writes it as JSON.

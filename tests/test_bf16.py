@@ -16,10 +16,10 @@ from test_infer_generate import VOCAB, OracleProposer, random_heads
 from test_medusa_train import base_args as medusa_args
 from test_medusa_train import write_selfdistilled
 
-from headstart.inference.bench_methods import Method, Run
-from headstart.inference.bench_near_tie import NEAR_TIE_ULPS, near_tie
-from headstart.inference.bench_report import mismatch_table
-from headstart.inference.bench_summary import summarise_all
+from headstart.inference.bench.methods import Method, Run
+from headstart.inference.bench.near_tie import NEAR_TIE_ULPS, near_tie
+from headstart.inference.bench.report import mismatch_table
+from headstart.inference.bench.summary import summarise_all
 from headstart.inference.forward import rows_invariant
 from headstart.inference.generate import Speculator
 from headstart.inference.tree import tree_from_choices

@@ -79,7 +79,7 @@ def sd_dir(tiny_target_dir, tmp_path_factory):
 
 def every_cli(tiny_target_dir, sd_dir, heads_dir, prompts):
     """(name, run(out)) for each CLI with its output flag set to `out`; run returns the exit code (2: refused)."""
-    from headstart.inference.bench import main as bench_main
+    from headstart.inference.bench.run import main as bench_main
     from headstart.train.dflash import main as dflash_main
     from headstart.train.eagle import main as eagle_main
     from headstart.train.medusa import main as medusa_main

@@ -1,4 +1,4 @@
-"""The hf engine's packed decoding (train/packed_decode.py): the same answers as transformers `generate`, and a row's
+"""The hf engine's packed decoding (inference/packed_decode.py): the same answers as transformers `generate`, and a row's
 tokens independent of the rows decoded beside it."""
 
 import pytest
@@ -9,7 +9,7 @@ from headstart.heads.chat import render_chat, stop_token_ids
 from headstart.inference.cpu_linear import linear_kernel
 from test_selfdistill import read_rows, tiny_cfg, write_prompts
 from headstart.train.bench_selfdistill import generate_padded
-from headstart.train.packed_decode import PackedDecoder, prefix_reusable, shared_prefix
+from headstart.inference.packed_decode import PackedDecoder, prefix_reusable, shared_prefix
 from headstart.train.selfdistill import run_selfdistill
 
 STOP = {3}

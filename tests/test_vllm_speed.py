@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from headstart.heads.served_speed import EngineRecord, read_engines
-from headstart.train.engines import EngineError
 
 check = importlib.import_module("headstart.inference.vllm_check")
 
@@ -97,7 +96,7 @@ def test_the_record_takes_each_engines_fastest_round_and_the_counters():
     (run_result(accepted=float("nan")), "vLLM counted 100 drafts and nan accepted tokens"),
 ])
 def test_no_figure_from_zero_tokens_a_zero_time_or_no_drafts(run, words):
-    with pytest.raises(EngineError) as err:
+    with pytest.raises(check.CheckError) as err:
         check.speed_record(run, 3)
     assert words in str(err.value) and "\n" not in str(err.value)
 

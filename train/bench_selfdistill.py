@@ -6,7 +6,7 @@ Methods, interleaved (every repeat runs each method at each of its batch sizes o
 - `generate`: transformers `generate` over fixed left-padded batches of the length-sorted prompts (the hf engine
   before packed decoding, at selfdistill's `batch_size` 16); finished rows keep stepping until the longest of their
   batch ends.
-- `packed`: train/packed_decode.py (the hf engine now): continuous batching, `batch size` rows decoded together
+- `packed`: inference/packed_decode.py (the hf engine now): continuous batching, `batch size` rows decoded together
   (selfdistill's `hf_rows`, 128 by default; 64 before).
 - `packed_no_prefix`: the same without sharing the prompts' common start (each prompt's every token through the
   linear layers, as before 2026-12-05).
@@ -27,7 +27,7 @@ from transformers import GenerationConfig
 from headstart.heads.chat import render_chat, stop_token_ids
 from headstart.heads.prompts import load_prompts
 from headstart.heads.target import load_target
-from headstart.train.packed_decode import PackedDecoder
+from headstart.inference.packed_decode import PackedDecoder
 
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int]) -> list[int]:

@@ -7,7 +7,7 @@ Every engine takes prompts rendered locally by heads/chat.py and returns the tok
 its stop token when it wrote one; train/selfdistill.py builds the rows (input_ids, loss_mask) from those ids, the
 same way for every backend.
 
-- `hf`: the transformers model in this process, continuous batching over packed rows (train/packed_decode.py).
+- `hf`: the transformers model in this process, continuous batching over packed rows (inference/packed_decode.py).
 - `vllm`: a `vllm.LLM` in this process, all prompts of a call submitted at once; `tensor_parallel_size` GPUs per
   engine. Data parallel = several processes (`accelerate launch --num_processes N`), each its own engine on GPUs
   of its own.
@@ -41,7 +41,7 @@ import httpcore
 import httpx
 import torch
 from headstart.heads.target import EMBEDDED_ALIAS, embedded_local_dir
-from headstart.train.packed_decode import PackedDecoder
+from headstart.inference.packed_decode import PackedDecoder
 
 BACKENDS = ("hf", "vllm", "openai")
 TOKENIZER_PROBE = "Hello, world! def f(x):\n    return x ** 2  # café, 東京, 🙂"
@@ -67,7 +67,7 @@ def request_seed(seed: int, j: int) -> int:
 
 
 class HFEngine:
-    """transformers in this process, continuous batching over packed rows (train/packed_decode.py): up to
+    """transformers in this process, continuous batching over packed rows (inference/packed_decode.py): up to
     `cfg.hf_rows` conversations decoded together, a finished one replaced by the next prompt; a row's tokens do not
     depend on the other rows in fp32 on the CPU."""
 

@@ -1,11 +1,11 @@
-"""The benchmark's markdown report (OUTPUT/results.md) from its results dict (inference/bench.py)."""
+"""The benchmark's markdown report (OUTPUT/results.md) from its results dict (inference/bench/run.py)."""
 
 from __future__ import annotations
 
 import statistics
 
-from headstart.inference.bench_near_tie import NEAR_TIE_ULPS
-from headstart.inference.bench_summary import versus_best_other
+from headstart.inference.bench.near_tie import NEAR_TIE_ULPS
+from headstart.inference.bench.summary import versus_best_other
 
 
 def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:

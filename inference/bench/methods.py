@@ -1,4 +1,4 @@
-"""The benchmark's methods (inference/bench.py): each runs one prompt timed (`run`) or again untimed with its logits
+"""The benchmark's methods (inference/bench/run.py): each runs one prompt timed (`run`) or again untimed with its logits
 (`trace`, for the near-tie analysis). HF's `generate` for vanilla greedy and prompt-lookup decoding, counted with a
 forward hook on the target; the Speculator for draft heads, counted by its own stats."""
 
@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from headstart.heads.directory import ADAPTER_DIR, check_target
 from headstart.heads.load import merge_adapter
-from headstart.inference.bench_inputs import HeadsEntry
+from headstart.inference.bench.inputs import HeadsEntry
 from headstart.inference.forward import sync
 from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_choices

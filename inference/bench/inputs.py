@@ -1,4 +1,4 @@
-"""The benchmark's inputs (inference/bench.py): the heads directories, loaded once each, their common target, and
+"""The benchmark's inputs (inference/bench/run.py): the heads directories, loaded once each, their common target, and
 the prompts encoded with the target's chat template."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Mismatches against vanilla (inference/bench.py): for an output that differs from vanilla's, both runs decoded again
+"""Mismatches against vanilla (inference/bench/run.py): for an output that differs from vanilla's, both runs decoded again
 up to the first differing token keeping the logits, and how close the target's two candidates were there. A
 near-tie (both runs' margins within NEAR_TIE_ULPS units in the last place of the dtype at the top logit) is
 rounding, not a wrong draft accepted."""
@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from headstart.inference.bench_methods import Method
+from headstart.inference.bench.methods import Method
 
 NEAR_TIE_ULPS = 4  # a mismatch is a near-tie when both runs' margins are within this many ulps of the top logit
 

@@ -44,9 +44,9 @@ Figures (defined here; docs/benchmark.md reports them):
 
 Writes OUTPUT/results.json, OUTPUT/results.md (the command line at the top) and OUTPUT/speedup.png.
 
-This module is the command: its arguments and the run from inputs to results. The parts: inference/bench_inputs.py
-(heads directories, target, prompts), bench_methods.py (the methods' runs), bench_near_tie.py (mismatches),
-bench_summary.py (the figures), bench_report.py and bench_plot.py (results.md, speedup.png).
+This module is the command: its arguments and the run from inputs to results. The parts, beside it in
+inference/bench/: inputs.py (heads directories, target, prompts), methods.py (the methods' runs), near_tie.py
+(mismatches), summary.py (the figures), report.py and plot.py (results.md, speedup.png).
 """
 
 from __future__ import annotations
@@ -69,14 +69,14 @@ from headstart.heads.chat import stop_token_ids
 from headstart.heads.directory import HeadsLoadError
 from headstart.heads.output_dir import OutputDirError, RunKind, check_output_dir, claim_output_dir, write_file
 from headstart.heads.target import TargetLoadError, load_target
-from headstart.inference.bench_inputs import (BenchError, HeadsEntry, Prompt, common_target, encode_prompts, find_heads,
+from headstart.inference.bench.inputs import (BenchError, HeadsEntry, Prompt, common_target, encode_prompts, find_heads,
                                     read_prompt_rows)
-from headstart.inference.bench_methods import (ForwardMeter, Method, Run, altered_generation_fields, heads_method, hf_method,
+from headstart.inference.bench.methods import (ForwardMeter, Method, Run, altered_generation_fields, heads_method, hf_method,
                                      plain_generation_config, speculator_for)
-from headstart.inference.bench_near_tie import near_tie
-from headstart.inference.bench_plot import plot
-from headstart.inference.bench_report import markdown
-from headstart.inference.bench_summary import ratio, summarise_all, tokens_per_s
+from headstart.inference.bench.near_tie import near_tie
+from headstart.inference.bench.plot import plot
+from headstart.inference.bench.report import markdown
+from headstart.inference.bench.summary import ratio, summarise_all, tokens_per_s
 from headstart.inference.cpu_linear import linear_kernel
 from headstart.inference.decode import SpeculatorError
 from headstart.inference.forward import rows_invariant

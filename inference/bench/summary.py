@@ -1,4 +1,4 @@
-"""The benchmark's figures per method (inference/bench.py's docstring defines them): tau, tokens/s, speedup over
+"""The benchmark's figures per method (inference/bench/run.py's docstring defines them): tau, tokens/s, speedup over
 vanilla with its spread over prompts and a bootstrap interval, the time split, the per-step cost model, identity
 with vanilla's output, acceptance and adaptive-plan counts."""
 
@@ -9,8 +9,8 @@ import random
 import statistics
 from typing import Sequence
 
-from headstart.inference.bench_methods import Method, Run
-from headstart.inference.bench_near_tie import first_difference
+from headstart.inference.bench.methods import Method, Run
+from headstart.inference.bench.near_tie import first_difference
 
 BOOTSTRAP_SAMPLES = 2000  # resamples of the prompts for the speedup's 95% interval
 BOOTSTRAP_SEED = 0

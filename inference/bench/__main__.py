@@ -1,0 +1,3 @@
+from headstart.inference.bench.run import main
+
+raise SystemExit(main())
