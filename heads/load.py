@@ -1,4 +1,5 @@
-"""The one way to load a heads directory (local path or Hub id): Medusa heads or an EAGLE draft, strictly.
+"""The one way to load a heads directory (local path or Hub id), strictly: Medusa heads, an EAGLE or a DFlash draft,
+any registered method (heads/methods.py).
 
     heads = load_heads("runs/medusa-smollm2/heads", target_info)            # refuses another target's heads
     heads, model, tokenizer, info = load_heads_and_target("user/repo")      # plus the target the heads name

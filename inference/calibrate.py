@@ -62,7 +62,7 @@ class TreeCalibration:
     pooled_spread: float  # the same over every size's ratios at once (each relative to its size's median)
     samples_ms: dict[int, list[float]]  # every timing, by size, in round order
     draft_ms: float  # median draft ms of the chosen size (Medusa: all heads, one timing per round)
-    draft_samples_ms: dict[int, list[float]]  # by tree size (EAGLE) or under 0 (Medusa's one draft)
+    draft_samples_ms: dict[int, list[float]]  # by tree size (EAGLE, DFlash) or under 0 (Medusa's one draft)
     draft_ratio: dict[int, float]  # the same keys: median over rounds of draft ms / the round's 1-token step ms
     expected_tokens_per_s: dict[int, float]
     accuracy_source: str  # "heads" (measured, from the heads directory) or "default prior"

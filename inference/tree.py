@@ -1,4 +1,4 @@
-"""Candidate trees for speculative decoding: static (Medusa `choices`) and dynamic (EAGLE-2 style).
+"""Candidate trees for speculative decoding: static (Medusa `choices`, DFlash) and dynamic (EAGLE-2 style).
 
 A tree has N nodes in breadth-first order. Node 0 is the root: the token the target already chose at
 the previous step (it is not in the KV cache yet). Every other node is a drafted token, child of

@@ -1,4 +1,4 @@
-"""The frozen target's features, for every trainer that reads them (Medusa, EAGLE-1, EAGLE-3).
+"""The frozen target's features, for every trainer that reads them (Medusa, EAGLE-1, EAGLE-3, DFlash).
 
 A row's features are the final-norm hidden state [T, h] (what Medusa heads and EAGLE-1 read; the target's logits are
 its lm_head of it) and the taps [T, n*h] = cat(hidden_states[i] for i in feature_layers) (EAGLE-3's input; the final

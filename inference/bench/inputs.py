@@ -29,7 +29,7 @@ class BenchError(ValueError):
 class HeadsEntry:
     path: Path  # the heads directory (config.json inside)
     label: str  # short unique name used in tables and the plot
-    heads: torch.nn.Module  # the loaded Medusa heads or EAGLE draft (headstart.heads.load), on the CPU in float32
+    heads: torch.nn.Module  # the loaded heads: Medusa, EAGLE or DFlash (headstart.heads.load), on the CPU in float32
 
     @property
     def target(self) -> dict:

@@ -1,4 +1,4 @@
-"""Benchmark: vanilla greedy vs HF prompt-lookup vs draft heads (Medusa, EAGLE), same prompts, interleaved, batch 1.
+"""Benchmark: vanilla greedy vs HF prompt-lookup vs draft heads (Medusa, EAGLE, DFlash), same prompts, interleaved, batch 1.
 
     python -m headstart.inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
