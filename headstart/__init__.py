@@ -38,3 +38,16 @@ _root = _source_tree_root()
 if _root is not None and str(_root) not in __path__:
     __path__.append(str(_root))
 del _root
+
+# The Python API's entry points, imported on first use (`import headstart` and `headstart --help` stay free of torch):
+#     from headstart import Speculator, prompt_ids
+_API = {"Speculator": "headstart.inference.speculator", "SpeculatorError": "headstart.inference.speculator",
+        "prompt_ids": "headstart.heads.chat", "load_heads": "headstart.heads.load"}
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'headstart' has no attribute {name!r}")

@@ -4,7 +4,7 @@
         [--tree auto|default|PATH] [--no_lookup] [--fixed_tree]
 
 It prints tau (tokens per target forward) and tokens/s at the end. The Python entry point is re-exported here:
-`from headstart.inference.generate import Speculator` (inference/speculator.py).
+`from headstart.inference.speculator import Speculator` (inference/speculator.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from headstart.heads.target import TargetLoadError
 from headstart.inference.decode import SpeculatorError
 from headstart.inference.speculator import Speculator
 
-__all__ = ["Speculator", "SpeculatorError", "TextStream", "main"]
 
 
 class TextStream:

@@ -236,7 +236,7 @@ def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0
 def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_tokens: int, target) -> dict:
     """headstart on the same prompts: a chain of depth k, lookup off, fixed (not adaptive), fp32 greedy."""
     from headstart.heads.load import load_heads_and_target
-    from headstart.inference.generate import Speculator
+    from headstart.inference.speculator import Speculator
 
     chain = [[0] * d for d in range(1, k + 1)]
     heads, model, tokenizer, _ = load_heads_and_target(heads_dir, target)

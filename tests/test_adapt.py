@@ -11,7 +11,7 @@ from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
 from headstart.inference.adapt import MAX_PROBE_GAP, AdaptConfig, AdaptivePolicy, StepCost
 from headstart.inference.decode import SamplingConfig, speculative_generate
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

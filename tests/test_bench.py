@@ -17,7 +17,7 @@ from headstart.inference.bench.inputs import BenchError, Prompt, read_prompt_row
 from headstart.inference.bench.methods import Method, Run
 from headstart.inference.bench.report import markdown
 from headstart.inference.bench.summary import summarise_all, versus_best_other
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 
 PROMPTS = [  # Spec-Bench style rows, two categories
     {"question_id": 1, "category": "writing", "turns": ["Tell me a story about a dragon and a knight.", "More."]},

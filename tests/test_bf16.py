@@ -21,7 +21,7 @@ from headstart.inference.bench.near_tie import NEAR_TIE_ULPS, near_tie
 from headstart.inference.bench.report import mismatch_table
 from headstart.inference.bench.summary import summarise_all
 from headstart.inference.forward import rows_invariant
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
 from headstart.train.eagle import main as eagle_main
 import headstart.train.medusa

@@ -171,3 +171,15 @@ def test_the_wheel_holds_headstart_alone_with_the_recipes(tmp_path):
     entry_points = zipfile.ZipFile(wheel).read(f"headstart-{headstart.__version__}.dist-info/entry_points.txt")
     assert "headstart = headstart.cli:main" in entry_points.decode()
 
+
+
+def test_the_api_entry_points_import_from_the_package_on_first_use():
+    """`from headstart import Speculator, prompt_ids` is the README's API; `import headstart` alone loads no torch."""
+    code = ("import sys, headstart; assert 'torch' not in sys.modules; "
+            "from headstart import Speculator, SpeculatorError, prompt_ids, load_heads; "
+            "from headstart.inference.speculator import Speculator as S; from headstart.heads.chat import prompt_ids as p; "
+            "assert Speculator is S and prompt_ids is p and 'torch' in sys.modules; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+    with pytest.raises(AttributeError, match="module 'headstart' has no attribute 'Speculater'"):
+        headstart.Speculater

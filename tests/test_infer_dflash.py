@@ -13,7 +13,7 @@ from headstart.heads.target import fingerprint
 from headstart.inference.decode import SamplingConfig, speculative_generate
 from headstart.inference.dflash import DFlashProposer
 from headstart.inference.forward import target_forward
-from headstart.inference.generate import Speculator, SpeculatorError
+from headstart.inference.speculator import Speculator, SpeculatorError
 from headstart.inference.tree import Proposer, tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -12,7 +12,7 @@ import headstart.inference.calibrate as calibrate_module
 from headstart.inference.eagle import EagleProposer, dynamic_config_from_choices
 from headstart.inference.decode import speculative_generate
 from headstart.inference.forward import target_forward
-from headstart.inference.generate import Speculator, SpeculatorError
+from headstart.inference.speculator import Speculator, SpeculatorError
 from headstart.inference.tree import DraftInput, DynamicTreeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

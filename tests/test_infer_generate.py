@@ -15,7 +15,8 @@ from headstart.heads.chat import prompt_ids
 from headstart.inference.calibrate import CALIBRATION_SIZES, ROUNDS, calibrate_tree, monotone_fit, read_accuracy
 from headstart.inference.cpu_linear import projection
 from headstart.inference.decode import SamplingConfig, speculative_generate
-from headstart.inference.generate import Speculator, SpeculatorError, TextStream, main
+from headstart.inference.generate import TextStream, main
+from headstart.inference.speculator import Speculator, SpeculatorError
 from headstart.inference.medusa import MedusaProposer, medusa_logits
 from headstart.inference.tree import DraftInput, DynamicTreeConfig, Proposer, Tree, build_dynamic_tree, static_tree_tokens, tree_from_choices
 

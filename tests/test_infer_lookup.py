@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 
 from headstart.inference.decode import speculative_generate
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 import random
 
 from headstart.inference.lookup import ContextIndex, LookupConfig, chain_draft, lookup_continuation

@@ -12,7 +12,7 @@ from test_infer_generate import _first_diff, reference
 
 from headstart.heads.directory import HeadsLoadError
 from headstart.inference.adapt import AdaptConfig, AdaptivePolicy
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 from headstart.inference.ngram import NGRAM_FILE, STOP, NgramConfig, NgramTable
 
 # 1 and 5 are the prompt's (loss_mask 0); the target wrote 6 7 5 6 8

@@ -11,7 +11,7 @@ import torch
 
 from headstart.heads.chat import prompt_ids
 from headstart.heads.prompts import load_prompts
-from headstart.inference.generate import Speculator
+from headstart.inference.speculator import Speculator
 
 HEADS = Path(__file__).parent / "data" / "smollm2-135m-medusa"
 
