@@ -342,7 +342,7 @@ def test_an_export_bounds_num_speculative_tokens_by_the_heads(target, tmp_path):
     with pytest.raises(HeadsLoadError, match=r"metrics\.json: top1 has 100000 entries, more than 64"):
         export_heads(heads, tmp_path / "e3")
     dflash = dflash_heads(tmp_path / "dflash", model, info)
-    with pytest.raises(ExportError, match="num_speculative_tokens 3 .*not 50"):
+    with pytest.raises(ExportError, match="num_speculative_tokens 3, not 50"):
         export_heads(dflash, tmp_path / "d1", num_speculative_tokens=50, target=model)
     out = export_heads(dflash, tmp_path / "d2", target=model)
     card = (out / "README.md").read_text()
