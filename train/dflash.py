@@ -41,14 +41,13 @@ from torch import nn
 
 from headstart.heads.dflash import DFlashDraft, dflash_config_for
 from headstart.heads.draft_vocab import most_frequent_tokens
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from headstart.train.data import row_generator, supervised_token_counts
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import FeatureSource, open_feature_source
 from headstart.train.from_target import copy_last_layers
-from headstart.train.evaluate import SlotScores
-from headstart.train.evaluate import evaluate as evaluate_slots
-from headstart.train.card import CardText, heads_card
 from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 

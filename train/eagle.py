@@ -55,15 +55,14 @@ from accelerate.utils import DistributedType
 
 from headstart.heads.draft_vocab import coverage, most_frequent_tokens
 from headstart.heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from headstart.train.data import row_generator, shifted_labels, supervised_token_counts
 from headstart.train.eagle_unroll import UnrolledDraft
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import FeatureSource, open_feature_source
 from headstart.train.from_target import copy_last_layers
-from headstart.train.evaluate import SlotScores
-from headstart.train.evaluate import evaluate as evaluate_slots
-from headstart.train.card import CardText, heads_card
 from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 

@@ -5,7 +5,7 @@ gives, per batch of held-out rows, its logits per slot and the truth (`SlotScore
 (sharded over processes, under no_grad), counts per slot how often the truth was the rank-r guess, sums over
 processes and summarises:
 
-    metrics = evaluate(score, all_rows, eval_ids, batch_size, accelerator, pad_id, slots)
+    metrics = evaluate_slots(score, all_rows, eval_ids, batch_size, accelerator, pad_id, slots, chained, ratios)
     # top1 [K], top5 [K], rank_accuracy [K][R], eval_positions [K]; chain_accepted_tokens (methods that chain
     # their slots); the method's own ratios (target_top1, ...)
 """
@@ -58,7 +58,7 @@ def rank_summary(rank_counts: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def evaluate(score: Callable[[dict], SlotScores], all_rows: list[dict], ids: list[int], batch_size: int,
+def evaluate_slots(score: Callable[[dict], SlotScores], all_rows: list[dict], ids: list[int], batch_size: int,
              accelerator: Accelerator, pad_id: int, slots: int, chained: bool = False,
              ratios: tuple[str, ...] = ()) -> dict:
     """score(batch) -> SlotScores for each batch of the held-out rows all_rows[ids] (collated, on the device, with

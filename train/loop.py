@@ -1,6 +1,7 @@
-"""The run train/medusa.py and train/eagle.py share: data, accelerator, frozen target, schedule, resumable epochs,
-the optimizer-step loop (log, checkpoint, early stop) and the end (metrics, heads directory, push). A script keeps
-what is its method's own: its model and parameter groups, one optimizer step's losses, evaluation, model card.
+"""The run train/medusa.py, train/eagle.py and train/dflash.py share: data, accelerator, frozen target, schedule,
+resumable epochs, the optimizer-step loop (log, checkpoint, early stop) and the end (metrics, heads directory, push).
+A script keeps what is its method's own: its model and parameter groups, one optimizer step's losses, its per-slot
+scores for the held-out evaluation (train/evaluate.py) and its model card's text (train/card.py).
 
     run = start_run(cfg)                                 # data (self-distilled first if missing), target, rows
     trained = train(run, model, param_groups, step_fn)   # step_fn(model, micro, step) -> log fields

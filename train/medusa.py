@@ -48,13 +48,12 @@ from headstart.heads.draft_vocab import coverage, most_frequent_tokens
 from headstart.heads.load import load_heads
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
 from headstart.heads.target import load_target
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from headstart.train.data import shifted_labels, supervised_token_counts
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import final_hidden, open_feature_source
-from headstart.train.evaluate import SlotScores
-from headstart.train.evaluate import evaluate as evaluate_slots
-from headstart.train.card import CardText, heads_card
 from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 
