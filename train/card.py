@@ -2,8 +2,9 @@
 
 Its metadata is huggingface_hub's ModelCardData (heads/card_data.py): base_model (the target's Hub id where one is
 known; a local path is no Hub reference), license (the target's, where known), library_name headstart, tags
-(speculative-decoding and the method), and the held-out figures of metrics.json as model-index results. The text: the method, the target, data and training, the
-per-slot accuracy table, the method's own lines, and how to generate with the heads.
+(speculative-decoding and the method), and the held-out figures of metrics.json as model-index results. The text:
+the method, the target, data and training, the per-slot accuracy table, the method's own lines, and how to generate
+with the heads.
 
     card = heads_card(cfg, info, stats, metrics, CardText(title="EAGLE-3 draft", method="...", slot="depth",
                                                           table_caption="...", lines=[...]))
