@@ -1,8 +1,11 @@
 """A draft vocabulary: heads that score only some target tokens (the most frequent target-written ones), not all V.
 
-The `token_map` buffer [Vd] lists their target ids in increasing order (saved with the heads; vLLM calls the same
-tensor `token_map` for Medusa, and `d2t` = token_map - arange for EAGLE-3 / DFlash); a non-persistent inverse map
-turns target ids into draft ids. Logits index the draft vocabulary; `to_target_ids` maps them back.
+This module owns it: choosing the tokens (`most_frequent_tokens`), and the maps between target and draft ids. A
+draft vocabulary is its token map [Vd]: draft id -> target id, increasing. Its inverse [V] gives each target id's
+draft id (-1: none). EAGLE-3 stores the same map as vLLM's `d2t` offsets (token map - arange) and `t2d` mask
+(heads/eagle.py, `d2t_offsets` / `t2d_mask` here). Medusa and DFlash heads (`DraftVocabHeads`) save the `token_map`
+buffer itself (vLLM's name for Medusa; their exports write `d2t`) and keep the inverse as a non-persistent buffer.
+Logits index the draft vocabulary; `to_target_ids` maps them back.
 """
 
 from __future__ import annotations
@@ -24,6 +27,56 @@ def check_token_ids(ids: torch.Tensor, vocab_size: int, name: str) -> None:
         raise ValueError(f"{name} must list distinct token ids in increasing order")
 
 
+def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The k target ids with the highest counts [V] (ties: lower id first), in increasing id order."""
+    order = torch.sort(-counts.double(), stable=True).indices  # most frequent first, ties by id
+    return torch.sort(order[:k]).values
+
+
+def token_map_of(target_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """A draft vocabulary of these target ids (`size` distinct ones; ValueError otherwise) -> its token map [size],
+    increasing."""
+    ids = torch.unique(target_ids.long())  # sorted
+    if ids.numel() != size:
+        raise ValueError(f"need {size} distinct target ids, got {ids.numel()}")
+    return ids
+
+
+def target_to_draft(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """token map [Vd] -> its inverse [V]: each target id's draft id, -1 for those outside the draft vocabulary."""
+    inverse = torch.full((vocab_size,), -1, dtype=torch.long, device=token_map.device)
+    inverse[token_map] = torch.arange(token_map.numel(), device=token_map.device)
+    return inverse
+
+
+def draft_labels(inverse: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target ids -> (draft ids, in-vocabulary mask) through the inverse map [V]; out-of-vocabulary labels become 0."""
+    draft = inverse[labels]
+    return draft.clamp(min=0), draft >= 0
+
+
+def d2t_offsets(token_map: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3's `d2t` [Vd]: draft id i is target id i + d2t[i]."""
+    return token_map - torch.arange(token_map.numel(), device=token_map.device)
+
+
+def token_map_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """`d2t` offsets [Vd] -> the token map [Vd]."""
+    return d2t.long() + torch.arange(d2t.numel(), device=d2t.device)
+
+
+def t2d_mask(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's `t2d` [V] bool: the target ids that have a draft id."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=token_map.device)
+    mask[token_map] = True
+    return mask
+
+
+def coverage(counts: torch.Tensor, token_map: torch.Tensor) -> float:
+    """The share of the token counts [V] that falls inside the draft vocabulary."""
+    return int(counts[token_map].sum()) / max(int(counts.sum()), 1)
+
+
 class DraftVocabHeads(HeadsModule):
     """Base of heads with an optional draft vocabulary of `config.draft_vocab_size` tokens (0: the whole vocabulary).
     Call `init_draft_vocab()` in __init__."""
@@ -34,8 +87,7 @@ class DraftVocabHeads(HeadsModule):
             raise ValueError(f"draft_vocab_size {size} must be in [0, vocab_size {vocab}]")
         if size:
             self.register_buffer("token_map", torch.arange(size))  # draft id -> target id
-            self.register_buffer("target_to_draft", torch.full((vocab,), -1), persistent=False)
-            self.target_to_draft[:size] = torch.arange(size)  # the identity map (also on the meta device)
+            self.register_buffer("target_to_draft", target_to_draft(self.token_map, vocab), persistent=False)
         else:
             self.token_map = None
 
@@ -46,12 +98,9 @@ class DraftVocabHeads(HeadsModule):
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
         """Score only these target ids (draft_vocab_size distinct ones), in increasing order."""
-        ids = torch.unique(target_ids.long()).to(self.token_map.device)  # sorted
-        if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
+        ids = token_map_of(target_ids, self.config.draft_vocab_size).to(self.token_map.device)
         self.token_map.copy_(ids)
-        self.target_to_draft.fill_(-1)
-        self.target_to_draft[ids] = torch.arange(ids.numel(), device=ids.device)
+        self.target_to_draft.copy_(target_to_draft(ids, self.config.vocab_size))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -70,5 +119,4 @@ class DraftVocabHeads(HeadsModule):
         """Target ids -> (indices into the logits, in-vocabulary mask); out-of-vocabulary labels become 0."""
         if self.token_map is None:
             return labels, torch.ones_like(labels, dtype=torch.bool)
-        draft = self.target_to_draft[labels]
-        return draft.clamp(min=0), draft >= 0
+        return draft_labels(self.target_to_draft, labels)

@@ -40,7 +40,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from headstart.heads.directory import HeadsModule
 from headstart.heads.draft_method import DraftMethod
-from headstart.heads.draft_vocab import check_token_ids
+from headstart.heads.draft_vocab import (check_token_ids, d2t_offsets, draft_labels, t2d_mask, target_to_draft,
+                                          token_map_from_d2t, token_map_of)
 
 METHODS = ("eagle", "eagle3")
 NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "norm_output")  # EagleConfig's EAGLE-3 norm options
@@ -200,29 +201,28 @@ class EagleDraft(HeadsModule):
         d2t = state["d2t"]
         if d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
             raise ValueError(f"d2t must hold integer offsets, not {d2t.dtype}")
-        check_token_ids(d2t.long() + torch.arange(d2t.numel()), self.config.vocab_size, "d2t (draft id + offset)")
+        check_token_ids(token_map_from_d2t(d2t), self.config.vocab_size, "d2t (draft id + offset)")
 
     @torch.no_grad()
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:
-        """Use these target ids (draft_vocab_size of them, distinct) as the draft vocabulary, in increasing order."""
-        ids = torch.unique(target_ids.long())  # sorted
-        if ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"need {self.config.draft_vocab_size} distinct target ids, got {ids.numel()}")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
+        """Use these target ids (draft_vocab_size of them, distinct) as the draft vocabulary, in increasing order:
+        the d2t and t2d buffers (heads/draft_vocab.py)."""
+        ids = token_map_of(target_ids, self.config.draft_vocab_size).to(self.d2t.device)
+        self.d2t.copy_(d2t_offsets(ids))
+        self.t2d.copy_(t2d_mask(ids, self.config.vocab_size))
+
+    def to_draft_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (draft vocabulary ids, in-vocabulary mask); out-of-vocabulary labels become 0 (EAGLE-1: the
+        ids themselves, all in)."""
+        if not self.is_eagle3:
+            return labels, torch.ones_like(labels, dtype=torch.bool)
+        return draft_labels(target_to_draft(token_map_from_d2t(self.d2t), self.config.vocab_size), labels)
 
 
 def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive causal mask [1, 1, T, T]."""
     blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
     return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(blocked, torch.finfo(dtype).min)[None, None]
-
-
-def most_frequent_tokens(counts: torch.Tensor, k: int) -> torch.Tensor:
-    """The k target ids with the highest counts [V] (ties: lower id first), in increasing id order."""
-    order = torch.sort(-counts.double(), stable=True).indices  # most frequent first, ties by id
-    return torch.sort(order[:k]).values
 
 
 # The declarations of EAGLE-1 and EAGLE-3 (heads/draft_method.py), registered in heads/methods.py: one draft module

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import shlex
 
+from huggingface_hub import ModelCardData
+
+from headstart.heads.card_data import card_text, target_license
 from headstart.heads.export_formats import looks_like_hub_id
 from headstart.heads.served_speed import ENGINE_NAMES, MODEL_FREE, acceptance_source, expected_acceptance, served_summary
 
@@ -123,11 +126,10 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
                  if info["format"] != "sglang" else "")
     sglang_note = ("\nSGLang does not run on CPU-only machines; this layout is checked against SpecForge's export "
                    "(headstart's tests), not by running SGLang.\n" if info["format"] == "sglang" else "")
-    return f"""---
-library_name: {'vllm' if info['format'] != 'sglang' else 'sglang'}
-tags: [speculative-decoding, {info['method']}, headstart]
----
-# {method} draft for {hub_id or target.get('name')}, exported for {engine}
+    data = ModelCardData(base_model=hub_id or None, license=target_license(str(target.get("name") or "")),
+                         library_name="vllm" if info["format"] != "sglang" else "sglang",
+                         tags=["speculative-decoding", info["method"], "headstart"])
+    return card_text(data, f"""# {method} draft for {hub_id or target.get('name')}, exported for {engine}
 
 Written by `python -m headstart.heads.export ... --format {info['format']}` from a headstart heads directory.
 
@@ -142,4 +144,4 @@ Written by `python -m headstart.heads.export ... --format {info['format']}` from
 
 Conversion notes:
 {notes or '- none: tensors copied as trained'}
-"""
+""")

@@ -59,11 +59,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
-def tiny_llama():
-    return tiny_model("llama")
-
-
 LLAMA3_STYLE_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}"
     "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"

@@ -3,7 +3,6 @@ inference-time cache, anchors, learning, the heads directory, exact resume, 2-pr
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path

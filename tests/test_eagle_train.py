@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 from transformers import DynamicCache
 
-from headstart.heads.eagle import EagleDraft, eagle_config_for, most_frequent_tokens
+from headstart.heads.draft_vocab import most_frequent_tokens
+from headstart.heads.eagle import EagleDraft, eagle_config_for
 from headstart.heads.load import load_heads
 from headstart.heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model

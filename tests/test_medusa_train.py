@@ -252,7 +252,7 @@ def test_medusa2_starts_from_medusa1_heads_with_a_draft_vocabulary(tiny_target_d
     other rows (whose own most frequent tokens differ). At learning rate 0 nothing moves, so the heads written are
     exactly the Medusa-1 heads (token_map included) and the untouched adapter agrees with the target everywhere;
     trained, the heads move and keep the Medusa-1 draft vocabulary."""
-    from headstart.heads.eagle import most_frequent_tokens
+    from headstart.heads.draft_vocab import most_frequent_tokens
     from headstart.train.data import supervised_token_counts
 
     _, _, info = load_target(str(tiny_target_dir))

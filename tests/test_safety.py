@@ -310,7 +310,8 @@ def test_a_second_run_on_a_locked_output_dir_is_refused(tiny_target_dir, tmp_pat
 
 def test_server_url_with_v1_works_and_a_404_names_the_url(tiny_target_dir):
     from fake_openai import FakeServer
-    from headstart.train.engines import EngineError, OpenAIEngine
+    from headstart.train.engines import EngineError
+    from headstart.train.openai_engine import OpenAIEngine
 
     _, tokenizer, _ = load_target(str(tiny_target_dir))
     server = FakeServer(tiny_target_dir).start()

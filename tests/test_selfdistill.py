@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from headstart.heads.prompts import PromptRow
 from headstart.heads.target import TargetLoadError, load_target
@@ -14,7 +13,7 @@ from headstart.train.config import ConfigError, parse_config
 from headstart.heads.chat import stop_token_ids
 from headstart.train.engines import HFEngine
 from headstart.train.data import DataError
-from headstart.train.selfdistill import (SelfDistillConfig, deal_batches, distill_batch, load_selfdistilled, render_with_mask,
+from headstart.train.selfdistill import (SelfDistillConfig, deal_batches, distill_batches, load_selfdistilled, render_with_mask,
                                row_cost, run_selfdistill)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +71,7 @@ def test_loss_mask_llama3_style_template(tiny_target_dir, tmp_path):
     eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id=str(i), turns=["hello there", "tell me a story"]) for i in range(3)]
     cfg = tiny_cfg(tiny_target_dir, "", tmp_path)
-    records, skipped, generated = distill_batch(HFEngine(model, cfg, eos), tokenizer, rows, cfg, eos, 0)
+    records, skipped, generated = distill_batches(HFEngine(model, cfg, eos), tokenizer, {0: rows}, cfg, eos)[0]
     check_mask_matches_answers(tokenizer, records, eos)
     assert generated == sum(r["num_generated"] for r in records)
     # user turns and template tokens are never supervised
@@ -87,7 +86,7 @@ def test_loss_mask_smollm2_template_on_embedded_target(embedded_target, tmp_path
     eos = set(stop_token_ids(tokenizer, model.generation_config))
     rows = [PromptRow(id="a", turns=["Hi! How are you?", "What is your name?"]), PromptRow(id="b", turns=["Say hello."])]
     cfg = SelfDistillConfig(max_new_tokens=24, batch_size=2)
-    records, _, _ = distill_batch(HFEngine(model, cfg, eos), tokenizer, rows, cfg, eos, 0)
+    records, _, _ = distill_batches(HFEngine(model, cfg, eos), tokenizer, {0: rows}, cfg, eos)[0]
     check_mask_matches_answers(tokenizer, records, eos, same_tokens=True)
     assert any(r["loss_mask"][-2] == 1 and r["input_ids"][-2] in eos for r in records)  # a real EOS kept
 

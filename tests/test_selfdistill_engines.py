@@ -18,8 +18,9 @@ from headstart.heads.prompts import PromptRow
 from headstart.heads.target import load_target
 from test_selfdistill import check_mask_matches_answers, read_rows, tiny_cfg, write_prompts
 from test_vllm import PYTHON as VLLM_PYTHON
-from headstart.train.engines import EngineError, OpenAIEngine
-from headstart.train.selfdistill import SelfDistillConfig, distill_batch, load_selfdistilled, run_selfdistill
+from headstart.train.engines import EngineError
+from headstart.train.openai_engine import OpenAIEngine
+from headstart.train.selfdistill import SelfDistillConfig, distill_batches, load_selfdistilled, run_selfdistill
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,7 +65,7 @@ def test_openai_loss_mask_is_exact_on_embedded_target(embedded_target, tmp_path)
     try:
         cfg = SelfDistillConfig(max_new_tokens=24, batch_size=2, backend="openai", server_url=[server.url])
         rows = [PromptRow(id="a", turns=["Hi! How are you?", "What is your name?"]), PromptRow(id="b", turns=["Say hello."])]
-        records, _, _ = distill_batch(OpenAIEngine(cfg, tokenizer, eos), tokenizer, rows, cfg, eos, 0)
+        records, _, _ = distill_batches(OpenAIEngine(cfg, tokenizer, eos), tokenizer, {0: rows}, cfg, eos)[0]
     finally:
         server.stop()
     check_mask_matches_answers(tokenizer, records, eos, same_tokens=True)
@@ -151,7 +152,7 @@ def test_bad_servers_are_clear_errors(tiny_target_dir, fake):
     hidden = engine(fake(max_model_len=40, expose_max_model_len=False).url)
     rows = [PromptRow(id="a", turns=["hello there, how are you doing today? " * 3])]
     with pytest.raises(EngineError, match="maximum context length is 40 tokens.*Lower --max_length"):
-        distill_batch(hidden, tokenizer, rows, tiny_cfg(tiny_target_dir, "", "unused"), eos, 0)
+        distill_batches(hidden, tokenizer, {0: rows}, tiny_cfg(tiny_target_dir, "", "unused"), eos)
 
 
 def test_vllm_backend_without_vllm_names_the_install(tiny_target_dir, tmp_path, monkeypatch):

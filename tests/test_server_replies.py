@@ -13,8 +13,9 @@ import pytest
 from headstart.heads.target import load_target
 from test_safety import assert_one_line_error, cli
 from test_selfdistill import tiny_cfg, write_prompts
-import headstart.train.engines as engines
-from headstart.train.engines import EngineError, OpenAIEngine
+import headstart.train.openai_engine as openai_engine
+from headstart.train.engines import EngineError
+from headstart.train.openai_engine import OpenAIEngine
 from headstart.train.selfdistill import load_selfdistilled, run_selfdistill
 
 # each malformed reply: the words its error names (the problem, then the fix)
@@ -107,7 +108,7 @@ def test_malformed_reply_cli_exits_2_in_one_line(tiny_target_dir, fake, tmp_path
 
 
 def test_every_reply_number_is_checked():
-    BadReply, completion_token_ids = engines.BadReply, engines.completion_token_ids
+    BadReply, completion_token_ids = openai_engine.BadReply, openai_engine.completion_token_ids
 
     def reply(token_ids, finish_reason="stop"):
         return {"choices": [{"token_ids": token_ids, "finish_reason": finish_reason}]}

@@ -96,7 +96,7 @@ def test_a_non_finite_loss_stops_training_at_its_step(tiny_target_dir, medusa_sd
 
 
 def test_truth_rank_never_counts_a_non_finite_row_as_a_hit():
-    from headstart.train.loop import truth_rank
+    from headstart.train.evaluate import truth_rank
 
     logits = torch.tensor([[3.0, 1.0, 2.0], [float("nan")] * 3, [1.0, float("nan"), 0.0], [float("inf"), 0.0, 1.0],
                            [0.0, 1.0, 2.0]])
@@ -122,7 +122,8 @@ def test_medusa_evaluation_of_nan_heads_scores_no_hits(tiny_target_dir, medusa_s
             p.fill_(float("nan"))
     rows = [dict(r) for r in datasets.load_from_disk(str(medusa_sd / "dataset")).select_columns(["input_ids", "loss_mask"])]
     cfg = MedusaTrainConfig(num_heads=3, per_device_batch_size=4)
-    metrics = evaluate(target, heads, rows[-4:], cfg, Accelerator(cpu=True), tokenizer.pad_token_id)
+    metrics = evaluate(target, heads, rows, list(range(len(rows) - 4, len(rows))), cfg, Accelerator(cpu=True),
+                       tokenizer.pad_token_id)
     assert metrics["top1"] == [0.0, 0.0, 0.0] and metrics["top5"] == [0.0, 0.0, 0.0]
     assert all(p > 0 for p in metrics["eval_positions"])
 

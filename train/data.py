@@ -102,6 +102,12 @@ def shard_epoch(order: Sequence[int], per_device_batch: int, num_processes: int,
     return mine
 
 
+def row_generator(seed: int, step: int, row: int) -> torch.Generator:
+    """A generator seeded per (seed, step, row): what a training step draws for a row (EAGLE's feature noise, DFlash's
+    anchors) is the same in any batch layout, process count or resume point."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + row)
+
+
 def supervised_token_counts(rows: list[dict], vocab_size: int) -> torch.Tensor:
     """How often each target id is a target-written (loss_mask = 1) token of `rows`: [V]."""
     counts = torch.zeros(vocab_size, dtype=torch.long)

@@ -40,13 +40,15 @@ from accelerate import Accelerator
 from torch import nn
 
 from headstart.heads.dflash import DFlashDraft, dflash_config_for
-from headstart.heads.eagle import most_frequent_tokens
+from headstart.heads.draft_vocab import most_frequent_tokens
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from headstart.train.data import collate, supervised_token_counts
+from headstart.train.data import row_generator, supervised_token_counts
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import FeatureSource, open_feature_source
-from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
-                        truth_rank)
+from headstart.train.from_target import copy_last_layers
+from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 
 
@@ -101,8 +103,7 @@ def pick_anchors(valid: torch.Tensor, count: int, seed: int, step: int | None, r
         return valid
     if step is None:
         return valid[torch.linspace(0, n - 1, count).round().long()]
-    g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + row)
-    return valid[torch.randperm(n, generator=g)[:count].sort().values]
+    return valid[torch.randperm(n, generator=row_generator(seed, step, row))[:count].sort().values]
 
 
 def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: int | None, anchors: int) -> dict:
@@ -218,33 +219,22 @@ def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool
 # evaluation
 
 
-@torch.no_grad()
-def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], cfg: DFlashTrainConfig,
+def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], cfg: DFlashTrainConfig,
              accelerator: Accelerator, pad_id: int, scored: torch.Tensor) -> dict:
-    """Per-slot rank histogram of the data token on held-out rows, and the greedy chain's accepted tokens."""
-    draft, S, R = model.draft, cfg.block_size - 1, 10
-    dev = accelerator.device
-    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10, or outside the draft vocabulary
-    chain = torch.zeros(2, device=dev)  # accepted drafted tokens, blocks
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for r in mine:  # one row at a time: [K * (Bk-1), Vd] logits
-        batch = {k: v.to(dev) for k, v in collate([source.rows[r]], pad_id).items()}
-        batch["rows"] = torch.tensor([r])
+    """Per-slot ranks of the data token on the held-out rows source.rows[ids] (train/evaluate.py), one row at a time
+    ([K * (Bk-1), Vd] logits), and the greedy chain's accepted tokens per block."""
+    draft = model.draft
+
+    def score(batch: dict) -> SlotScores:
         prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, soft_labels=False), None,
                              cfg.eval_anchors)
         logits = draft.logits(slot_outputs(model, prep)[0], scored).float()  # [K, S, Vd]
-        truth = logits.gather(-1, prep["draft_labels"][0][..., None])  # [K, S, 1]
-        rank = torch.where(prep["in_vocab"][0], truth_rank(logits, truth, R), R)  # [K, S]
-        sup = prep["supervised"][0]
-        for j in range(S):
-            rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()
+        sup = prep["supervised"][0]  # [K, S]
         real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
-        accepted = ((rank == 0) & sup).long().cumprod(1).sum(1)  # [K]
-        chain[0] += accepted[real].sum()
-        chain[1] += real.sum()
-    rank_counts = accelerator.reduce(rank_counts, "sum")
-    chain = accelerator.reduce(chain, "sum")
-    return {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4)}
+        return SlotScores(logits.transpose(0, 1), prep["draft_labels"][0].t(), prep["in_vocab"][0].t(), sup.t(),
+                          chain=lambda hits: hits[:, real])
+
+    return evaluate_slots(score, source.rows, ids, 1, accelerator, pad_id, cfg.block_size - 1, chained=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -267,21 +257,14 @@ def init_from_target(draft: DFlashDraft, target, layers: bool) -> list[str]:
     """mask_embedding <- a random vector at the scale of the target's embeddings (not the mask token's own row or
     the embeddings' mean, which through a tied lm_head make every slot guess one token; not zero, where the layer
     norm's gradient is 1/sqrt(eps)); with `layers`, draft layer i <- the target's layer L - num_layers + i wherever
-    names and shapes match. Returns the names set. The draft's `norm` stays at ones: started from the target's final
-    norm, its random outputs give logits several times the target's scale and it learns far slower
-    (docs/measured.md)."""
+    names and shapes match (train/from_target.py). Returns the names set. The draft's `norm` stays at ones: started
+    from the target's final norm, its random outputs give logits several times the target's scale and it learns far
+    slower (docs/measured.md)."""
     embeddings = target.get_input_embeddings().weight
     draft.mask_embedding.copy_(torch.randn(draft.config.hidden_size) * embeddings.float().std())
     done = ["mask_embedding"]
     if layers:
-        source_layers = target.get_decoder().layers
-        first = len(source_layers) - len(draft.layers)
-        for i, layer in enumerate(draft.layers):
-            source = dict(source_layers[first + i].named_parameters())
-            for name, param in layer.named_parameters():
-                if name in source and source[name].shape == param.shape:
-                    param.copy_(source[name])
-                    done.append(f"layers.{i}.{name}")
+        done += copy_last_layers(draft.layers, target, draft.config.hidden_size)
     return done
 
 
@@ -306,27 +289,13 @@ def build_draft(run: Run, cfg: DFlashTrainConfig) -> DFlashDraft:
 
 
 def model_card(cfg: DFlashTrainConfig, info, stats: dict, metrics: dict) -> str:
-    return f"""---
-library_name: headstart
-tags: [dflash, speculative-decoding]
----
-# DFlash draft for `{info.name}`
-
-- Method: DFlash: {cfg.num_layers} decoder layers read the target's layers {metrics['feature_layers']} (fused) and
-  draft a block of {cfg.block_size - 1} tokens in one forward (mask token {metrics['mask_token_id']})
-{card_facts(cfg, info, stats, metrics)}
-
-Held-out accuracy at block slot j (the token j positions after the anchor):
-
-{accuracy_table("slot", metrics)}
-
-Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: {metrics['chain_accepted_tokens']:.3f}
-
-```python
-from headstart.heads.load import load_heads
-draft = load_heads("THIS_DIR_OR_REPO", target_info)
-```
-"""
+    return heads_card(cfg, info, stats, metrics, CardText(
+        title="DFlash draft", slot="slot",
+        method=f"DFlash: {cfg.num_layers} decoder layers read the target's layers {metrics['feature_layers']} (fused) and "
+               f"draft a block of {cfg.block_size - 1} tokens in one forward (mask token {metrics['mask_token_id']})",
+        table_caption="at block slot j: the token j positions after the anchor",
+        lines=[f"Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: "
+               f"{metrics['chain_accepted_tokens']:.3f}"]))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -53,14 +53,17 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from headstart.heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for, most_frequent_tokens
+from headstart.heads.draft_vocab import coverage, most_frequent_tokens
+from headstart.heads.eagle import NORM_FLAGS, EagleDraft, eagle_config_for
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from headstart.train.data import collate, shifted_labels, supervised_token_counts
+from headstart.train.data import row_generator, shifted_labels, supervised_token_counts
 from headstart.train.eagle_unroll import UnrolledDraft
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import FeatureSource, open_feature_source
-from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
-                        truth_rank)
+from headstart.train.from_target import copy_last_layers
+from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 
 
@@ -156,12 +159,11 @@ def param_groups(draft: EagleDraft, optimizer: str) -> list[dict]:
 
 
 def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, seed: int, step: int) -> torch.Tensor:
-    """U(-scale, scale) noise [B, max(lengths), width], drawn per (seed, step, row): the same whatever the batch
-    layout, process count or resume point."""
+    """U(-scale, scale) noise [B, max(lengths), width], drawn per (seed, step, row) (row_generator): the same whatever
+    the batch layout, process count or resume point."""
     out = torch.zeros(len(rows), max(lengths), width)
     for b, (r, n) in enumerate(zip(rows, lengths)):
-        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1_000_003 + r)
-        out[b, :n] = (torch.rand(n, width, generator=g) * 2 - 1) * scale
+        out[b, :n] = (torch.rand(n, width, generator=row_generator(seed, step, r)) * 2 - 1) * scale
     return out
 
 
@@ -172,7 +174,7 @@ def row_noise(rows: list[int], lengths: list[int], width: int, scale: float, see
 @torch.no_grad()
 def init_from_target(draft: EagleDraft, target, layer: bool) -> list[str]:
     """EAGLE-3: lm_head <- the target's lm_head rows of the draft vocabulary, norm <- the target's final norm.
-    `layer`: decoder-layer tensors <- the target's last layer where shapes match (q/k/v read 2h in EAGLE-3: their
+    `layer`: the decoder layer <- the target's last layer (train/from_target.py; q/k/v read 2h in EAGLE-3: their
     feature half gets the target's weight). Returns the names initialised."""
     done = []
     if draft.is_eagle3:
@@ -181,18 +183,7 @@ def init_from_target(draft: EagleDraft, target, layer: bool) -> list[str]:
         draft.norm.weight.copy_(target.get_decoder().norm.weight)
         done += ["lm_head", "norm"]
     if layer:
-        source = dict(target.get_decoder().layers[-1].named_parameters())
-        h = draft.config.hidden_size
-        for name, param in draft.layers[0].named_parameters():
-            if name not in source:
-                continue
-            if source[name].shape == param.shape:
-                param.copy_(source[name])
-            elif param.shape[1:] == (2 * h,) and source[name].shape == (param.shape[0], h):
-                param[:, h:].copy_(source[name])  # EAGLE-3 q/k/v: cat(embed, feature) -> the feature half
-            else:
-                continue
-            done.append(f"layers.0.{name}")
+        done += copy_last_layers(draft.layers, target, draft.config.hidden_size)
     return done
 
 
@@ -281,51 +272,36 @@ def draft_loss(outs: torch.Tensor, logits: torch.Tensor, prep: dict, valid: torc
 # evaluation
 
 
-@torch.no_grad()
-def evaluate(model: UnrolledDraft, target, source: FeatureSource, rows: list[int], cfg: EagleTrainConfig,
+def evaluate(model: UnrolledDraft, target, source: FeatureSource, ids: list[int], cfg: EagleTrainConfig,
              accelerator: Accelerator, pad_id: int) -> dict:
-    """Per-depth rank histogram of the data token on held-out rows (sharded over processes, then summed)."""
-    draft, D, R = model.draft, cfg.eval_depth, 10
-    dev = accelerator.device
-    rank_counts = torch.zeros(D, R + 1, device=dev)  # last column: rank >= 10 or outside the draft vocabulary
-    counts = torch.zeros(5, device=dev)  # target top-1 hits, positions, in-vocab labels, chain accepted, chain roots
+    """Per-depth ranks of the data token on the held-out rows source.rows[ids] (train/evaluate.py), the greedy
+    chain's accepted tokens, the target's own next-token accuracy and (EAGLE-3) the draft vocabulary's coverage."""
+    draft, D = model.draft, cfg.eval_depth
     lm_head_weight = None if draft.is_eagle3 else target.get_output_embeddings().weight
-    t2d_index = torch.cumsum(draft.t2d.long(), 0) - 1 if draft.is_eagle3 else None  # target id -> draft id (where t2d)
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for start in range(0, len(mine), cfg.per_device_batch_size):
-        idx = mine[start : start + cfg.per_device_batch_size]
-        batch = {k: v.to(dev) for k, v in collate([source.rows[i] for i in idx], pad_id).items()}
-        batch["rows"] = torch.tensor(idx)
+
+    def score(batch: dict) -> SlotScores:
         prep = prepare_batch(batch, source, target, draft, cfg, pad_id, step=None)
         with accelerator.autocast():
             _, logits = model(prep["embeds"], prep["taps"], prep["key_valid"], prep["select"], D, lm_head_weight)
-        logits = logits.float()  # [D, N, dv]
-        labels = prep["labels"]
-        in_vocab = draft.t2d[labels] if draft.is_eagle3 else torch.ones_like(labels, dtype=torch.bool)
-        label_d = t2d_index[labels].clamp(min=0) if draft.is_eagle3 else labels
-        truth = logits.gather(-1, label_d[None, :, None].expand(D, -1, 1))  # [D, N, 1]
-        rank = torch.where(in_vocab[None], truth_rank(logits, truth, R), R)  # [D, N]
-        depth_ok = prep["t_index"][None] >= torch.arange(D, device=dev)[:, None]  # [D, N]
-        for d in range(D):
-            rank_counts[d] += torch.bincount(rank[d][depth_ok[d]], minlength=R + 1).float()
-        counts[0] += (prep["target_argmax"] == labels).sum()
-        counts[1] += labels.numel()
-        counts[2] += in_vocab.sum()
-        # greedy chain from each root n: depth d+1's output sits at position n+d of step d
-        B, T = prep["select"].shape
-        hit = torch.zeros(D, B, T + D, dtype=torch.bool, device=dev)
-        hit[:, :, :T][:, prep["select"]] = (rank == 0) & depth_ok
-        chain = torch.stack([hit[d, :, d : d + T] for d in range(D)])  # [D, B, T] at the root's position
-        accepted = chain.long().cumprod(0).sum(0)  # [B, T]
-        counts[3] += accepted[prep["select"]].sum()
-        counts[4] += prep["select"].sum()
-    rank_counts = accelerator.reduce(rank_counts, "sum")
-    counts = accelerator.reduce(counts, "sum")
-    out = {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(counts[3] / counts[4].clamp(min=1)), 4),
-           "target_top1": round(float(counts[0] / counts[1].clamp(min=1)), 4)}
-    if draft.is_eagle3:
-        out["draft_vocab_coverage"] = round(float(counts[2] / counts[1].clamp(min=1)), 4)
-    return out
+        labels, select = prep["labels"], prep["select"]  # [N], [B, T]
+        label_d, in_vocab = draft.to_draft_labels(labels)
+        depth_ok = prep["t_index"][None] >= torch.arange(D, device=labels.device)[:, None]  # [D, N]
+
+        def chain(hits: torch.Tensor) -> torch.Tensor:
+            """[D, N] -> [D, N]: the greedy chain from each root n, whose depth d+1 output sits at position n+d of
+            step d."""
+            B, T = select.shape
+            grid = torch.zeros(D, B, T + D, dtype=torch.bool, device=hits.device)
+            grid[:, :, :T][:, select] = hits
+            return torch.stack([grid[d, :, d : d + T] for d in range(D)])[:, select]
+
+        ratios = {"target_top1": ((prep["target_argmax"] == labels).sum(), labels.numel()),
+                  "draft_vocab_coverage": (in_vocab.sum(), labels.numel())}
+        return SlotScores(logits.float(), label_d[None].expand(D, -1), in_vocab[None], depth_ok, chain, ratios)
+
+    names = ("target_top1", "draft_vocab_coverage") if draft.is_eagle3 else ("target_top1",)
+    return evaluate_slots(score, source.rows, ids, cfg.per_device_batch_size, accelerator, pad_id, D, chained=True,
+                          ratios=names)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -339,29 +315,14 @@ def model_card(cfg: EagleTrainConfig, info, stats: dict, metrics: dict) -> str:
                   f"optimizer {cfg.optimizer}")
     else:
         method = "EAGLE-1: the target's final hidden state + next token -> one decoder layer -> the target's lm_head"
-    coverage = (f"\nShare of held-out target-written tokens inside the draft vocabulary: {metrics['draft_vocab_coverage']:.3f}\n"
-                if "draft_vocab_coverage" in metrics else "")
-    return f"""---
-library_name: headstart
-tags: [{cfg.method}, speculative-decoding]
----
-# {"EAGLE-3" if cfg.method == "eagle3" else "EAGLE-1"} draft for `{info.name}`
-
-- Method: {method}
-{card_facts(cfg, info, stats, metrics)}
-
-Held-out accuracy at draft depth d (the draft run on its own outputs along the true tokens, as in a tree):
-
-{accuracy_table("depth", metrics)}
-
-Mean drafted tokens a greedy chain of {len(metrics['top1'])} would get accepted: {metrics['chain_accepted_tokens']:.3f}
-Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}
-{coverage}
-```python
-from headstart.heads.load import load_heads
-draft = load_heads("THIS_DIR_OR_REPO", target_info)
-```
-"""
+    lines = [f"Mean drafted tokens a greedy chain of {len(metrics['top1'])} would get accepted: "
+             f"{metrics['chain_accepted_tokens']:.3f}",
+             f"Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}"]
+    if "draft_vocab_coverage" in metrics:
+        lines.append(f"Share of held-out target-written tokens inside the draft vocabulary: {metrics['draft_vocab_coverage']:.3f}")
+    return heads_card(cfg, info, stats, metrics, CardText(
+        title=f"{'EAGLE-3' if cfg.method == 'eagle3' else 'EAGLE-1'} draft", method=method, slot="depth", lines=lines,
+        table_caption="at draft depth d: the draft run on its own outputs along the true tokens, as in a tree"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -385,7 +346,7 @@ def build_draft(run: Run, cfg: EagleTrainConfig) -> EagleDraft:
     if draft.is_eagle3:
         counts = supervised_token_counts(run.train_rows, info.vocab_size)
         draft.set_draft_vocab(most_frequent_tokens(counts, draft_config.draft_vocab_size))
-        covered = int(counts[draft.t2d].sum()) / max(int(counts.sum()), 1)
+        covered = coverage(counts, draft.to_target_ids(torch.arange(draft_config.draft_vocab_size)))
         run.accelerator.print(f"draft vocabulary: {draft_config.draft_vocab_size} of {info.vocab_size} target tokens cover "
                 f"{covered:.4f} of the target-written training tokens")
     initialised = init_from_target(draft, target, cfg.init_layer_from_target)

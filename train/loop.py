@@ -1,6 +1,7 @@
-"""The run train/medusa.py and train/eagle.py share: data, accelerator, frozen target, schedule, resumable epochs,
-the optimizer-step loop (log, checkpoint, early stop) and the end (metrics, heads directory, push). A script keeps
-what is its method's own: its model and parameter groups, one optimizer step's losses, evaluation, model card.
+"""The run train/medusa.py, train/eagle.py and train/dflash.py share: data, accelerator, frozen target, schedule,
+resumable epochs, the optimizer-step loop (log, checkpoint, early stop) and the end (metrics, heads directory, push).
+A script keeps what is its method's own: its model and parameter groups, one optimizer step's losses, its per-slot
+scores for the held-out evaluation (train/evaluate.py) and its model card's text (train/card.py).
 
     run = start_run(cfg)                                 # data (self-distilled first if missing), target, rows
     trained = train(run, model, param_groups, step_fn)   # step_fn(model, micro, step) -> log fields
@@ -338,43 +339,7 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
 
 
 # ----------------------------------------------------------------------------------------------------
-# evaluation summary, heads directory, push
-
-
-def truth_rank(logits: torch.Tensor, truth: torch.Tensor, misses: int) -> torch.Tensor:
-    """logits [..., V], truth [..., 1] (the true token's logit) -> rank [...]: how many logits beat the truth's,
-    capped at `misses` (the "rank >= R" column). A row holding a NaN or infinite logit is a miss (`misses`): NaN
-    compares false with everything, and would otherwise rank 0, a hit."""
-    rank = (logits > truth).sum(-1).clamp(max=misses)
-    return rank.masked_fill(~torch.isfinite(logits).all(-1), misses)
-
-
-def rank_summary(rank_counts: torch.Tensor) -> dict:
-    """rank_counts [K, R + 1] (per head / depth: how often the truth was the rank-r guess; last column: rank >= R or
-    not draftable) -> top1, top5, rank_accuracy [K][R] (P(the truth is exactly the rank-r guess)), eval_positions."""
-    R = rank_counts.shape[1] - 1
-    rank_acc = rank_counts[:, :R] / rank_counts.sum(-1).clamp(min=1)[:, None]
-    return {
-        "top1": [round(float(a), 4) for a in rank_acc[:, 0]],
-        "top5": [round(float(a), 4) for a in rank_acc[:, :5].sum(-1)],
-        "rank_accuracy": [[round(float(a), 5) for a in row] for row in rank_acc],
-        "eval_positions": [int(t) for t in rank_counts.sum(-1)],
-    }
-
-
-def card_facts(cfg: TrainRunConfig, info, stats: dict, metrics: dict) -> str:
-    """The model-card lines every heads directory has: target, data, training."""
-    return (f"- Target: `{info.name}` ({info.model_type}, hidden {info.hidden_size}, vocab {info.vocab_size}, "
-            f"fingerprint `{info.fingerprint}`)\n"
-            f"- Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, "
-            f"{stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}\n"
-            f"- Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, "
-            f"lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup, {metrics['train_seconds']:.0f} s")
-
-
-def accuracy_table(name: str, metrics: dict) -> str:
-    rows = [f"| {k + 1} | {t1:.3f} | {t5:.3f} |" for k, (t1, t5) in enumerate(zip(metrics["top1"], metrics["top5"]))]
-    return "\n".join([f"| {name} | top-1 | top-5 |", "|---|---|---|", *rows])
+# heads directory, push
 
 
 def finish_run(run: Run, trained: Trained, metrics: dict, save: Callable[[Path], Any], model_card: Callable,

@@ -44,16 +44,17 @@ from accelerate import Accelerator
 from torch import nn
 
 from headstart.heads.directory import ADAPTER_DIR
-from headstart.heads.eagle import most_frequent_tokens
+from headstart.heads.draft_vocab import coverage, most_frequent_tokens
 from headstart.heads.load import load_heads
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
 from headstart.heads.target import load_target
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
-from headstart.train.data import collate, shifted_labels, supervised_token_counts
+from headstart.train.data import shifted_labels, supervised_token_counts
+from headstart.train.evaluate import SlotScores, evaluate_slots
 from headstart.train.features import final_hidden, open_feature_source
-from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary, start_run, train,
-                        truth_rank)
+from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 
 
@@ -214,47 +215,34 @@ def kl_original_tuned(orig_logits: torch.Tensor, tuned_logits: torch.Tensor) -> 
 # evaluation
 
 
-@torch.no_grad()
-def evaluate(target, heads: MedusaHeads, rows: list[dict], cfg: MedusaTrainConfig, accelerator: Accelerator,
-             pad_id: int, original=None) -> dict:
-    """Per-head rank histogram of the ground-truth token on held-out rows (sharded over processes, then summed).
-
-    `original`: a context manager factory giving the untuned target (Medusa-2) for greedy agreement.
-    """
-    K, R = cfg.num_heads, 10
-    rank_counts = torch.zeros(K, R + 1, device=accelerator.device)  # last column: rank >= 10
-    target_counts = torch.zeros(3, device=accelerator.device)  # target top-1 hits, positions, greedy agreements
+def evaluate(target, heads: MedusaHeads, all_rows: list[dict], ids: list[int], cfg: MedusaTrainConfig,
+             accelerator: Accelerator, pad_id: int, original=None) -> dict:
+    """Per-head ranks of the ground-truth token on the held-out rows all_rows[ids] (train/evaluate.py), and the
+    target's own next-token accuracy there. `original`: a context manager factory giving the untuned target
+    (Medusa-2) for greedy agreement."""
+    K = cfg.num_heads
     lm_head_weight = target.get_output_embeddings().weight
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for start in range(0, len(mine), cfg.per_device_batch_size):
-        batch = {k: v.to(accelerator.device) for k, v in collate(mine[start : start + cfg.per_device_batch_size], pad_id).items()}
+
+    def score(batch: dict) -> SlotScores:
         hidden = final_hidden(target, batch["input_ids"], batch["attention_mask"])
         union, labels, valid, _ = head_targets(batch, K)
-        labels, in_vocab = heads.to_draft_labels(labels)
+        labels, in_vocab = heads.to_draft_labels(labels)  # a token the heads cannot draft: a miss
         # autocast as in training: under FSDP or DeepSpeed `heads` is a rebuilt fp32 copy without accelerate's autocast
         # wrapper, and a bf16 target's shared lm_head met its fp32 features (found on the first GPU run)
         with accelerator.autocast():
             logits = heads(hidden[union][None].to(next(heads.parameters()).dtype), lm_head_weight)[:, 0].float()  # [K, N, V]
-        truth = logits.gather(-1, labels[..., None])  # [K, N, 1]
-        rank = truth_rank(logits, truth, R).masked_fill(~in_vocab, R)  # [K, N]; a token the heads cannot draft: a miss
-        for k in range(K):
-            rank_counts[k] += torch.bincount(rank[k][valid[k]], minlength=R + 1).float()
         # the target's own next-token accuracy on the same data (near 1 for greedy self-distilled rows)
         labels0, valid0 = shifted_labels(batch["input_ids"], batch["loss_mask"], 1)
         pred = (hidden[valid0] @ lm_head_weight.t()).argmax(-1)
-        target_counts[0] += (pred == labels0[valid0]).sum()
-        target_counts[1] += valid0.sum()
+        ratios = {"target_top1": ((pred == labels0[valid0]).sum(), valid0.sum())}
         if original is not None:
             with original():
                 orig_pred = (final_hidden(target, batch["input_ids"], batch["attention_mask"])[valid0] @ lm_head_weight.t()).argmax(-1)
-            target_counts[2] += (orig_pred == pred).sum()
-    rank_counts = accelerator.reduce(rank_counts, "sum")
-    target_counts = accelerator.reduce(target_counts, "sum")
-    out = {**rank_summary(rank_counts),
-           "target_top1": round(float(target_counts[0] / target_counts[1].clamp(min=1)), 4)}
-    if original is not None:
-        out["greedy_agreement"] = round(float(target_counts[2] / target_counts[1].clamp(min=1)), 4)
-    return out
+            ratios["greedy_agreement"] = ((orig_pred == pred).sum(), valid0.sum())
+        return SlotScores(logits, labels, in_vocab, valid, ratios=ratios)
+
+    names = ("target_top1", "greedy_agreement") if original is not None else ("target_top1",)
+    return evaluate_slots(score, all_rows, ids, cfg.per_device_batch_size, accelerator, pad_id, K, ratios=names)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -265,27 +253,14 @@ def model_card(cfg: MedusaTrainConfig, info, stats: dict, metrics: dict) -> str:
     method = "Medusa-2 (LoRA-tuned target, adapter in `adapter/`)" if cfg.method == "medusa2" else "Medusa-1 (frozen target)"
     vocab = (f", draft vocabulary of {cfg.draft_vocab_size} tokens (coverage {stats['draft_vocab_coverage_heldout']:.3f} "
              "of the held-out tokens)") if cfg.draft_vocab_size else ""
-    extra = f"\nGreedy agreement, tuned vs original target: {metrics['greedy_agreement']:.3f}\n" if "greedy_agreement" in metrics else ""
-    return f"""---
-library_name: headstart
-tags: [medusa, speculative-decoding]
----
-# Medusa heads for `{info.name}`
-
-- Method: {method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), {"shared" if cfg.share_lm_head else "own"} lm_head{vocab}
-{card_facts(cfg, info, stats, metrics)}
-
-Held-out accuracy (head k predicts the token k+1 positions after the target's next token):
-
-{accuracy_table("head", metrics)}
-
-Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}
-{extra}
-```python
-from headstart.heads.load import load_heads_and_target
-heads, model, tokenizer, info = load_heads_and_target("THIS_DIR_OR_REPO")
-```
-"""
+    lines = [f"Target's own next-token top-1 on the same positions: {metrics['target_top1']:.3f}"]
+    if "greedy_agreement" in metrics:
+        lines.append(f"Greedy agreement, tuned vs original target: {metrics['greedy_agreement']:.3f}")
+    return heads_card(cfg, info, stats, metrics, CardText(
+        title="Medusa heads", slot="head", lines=lines,
+        method=f"{method}, {cfg.num_heads} heads x {cfg.num_layers} residual block(s), "
+               f"{'shared' if cfg.share_lm_head else 'own'} lm_head{vocab}",
+        table_caption="head k predicts the token k+1 positions after the target's next token"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -323,8 +298,7 @@ def build_heads(run: Run, cfg: MedusaTrainConfig, lm_head_weight: torch.Tensor) 
         heads.init_lm_heads_from(lm_head_weight)
     if cfg.draft_vocab_size:
         held = supervised_token_counts(run.eval_rows, info.vocab_size)
-        covered = int(counts[heads.token_map].sum()) / max(int(counts.sum()), 1)
-        covered_held = int(held[heads.token_map].sum()) / max(int(held.sum()), 1)
+        covered, covered_held = coverage(counts, heads.token_map), coverage(held, heads.token_map)
         run.stats["draft_vocab_coverage"] = round(covered, 4)
         run.stats["draft_vocab_coverage_heldout"] = round(covered_held, 4)
         run.accelerator.print(f"draft vocabulary: {cfg.draft_vocab_size} of {info.vocab_size} target tokens cover {covered:.4f} of the "
@@ -435,8 +409,9 @@ def main(argv: list[str] | None = None) -> dict:
     heads = trained_model.heads if medusa2 else trained_model
     if medusa2:
         target = trained_model.target
-    metrics = evaluate(target, heads, run.eval_rows, cfg, accelerator, run.pad_id,
-                       original=target.disable_adapter if medusa2 else None)
+    all_rows = run.train_rows + run.eval_rows
+    metrics = evaluate(target, heads, all_rows, list(range(len(run.train_rows), len(all_rows))), cfg, accelerator,
+                       run.pad_id, original=target.disable_adapter if medusa2 else None)
 
     def save(heads_dir: Path) -> None:
         heads.save_pretrained(heads_dir)

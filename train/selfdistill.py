@@ -208,12 +208,6 @@ def distill_batches(engine, tokenizer, batches: dict[int, list[PromptRow]], cfg:
     return {k: (records[k], skipped[k], generated[k]) for k in batches}
 
 
-def distill_batch(engine, tokenizer, rows: list[PromptRow], cfg: SelfDistillConfig, eos_ids: set[int],
-                  batch_index: int) -> tuple[list[dict], collections.Counter, int]:
-    """distill_batches for one batch: (records, skip counts, tokens generated)."""
-    return distill_batches(engine, tokenizer, {batch_index: rows}, cfg, eos_ids)[batch_index]
-
-
 # ---------------------------------------------------------------------------------------------
 # the run: shard, resume, assemble
 
