@@ -201,7 +201,7 @@ class DFlashDraft(DraftVocabHeads):
 
 # The one declaration of DFlash (heads/draft_method.py), registered in heads/methods.py.
 DFLASH = DraftMethod(
-    title="a DFlash draft", names=("dflash",), config_class=DFlashConfig, module_class=DFlashDraft,
+    title="a DFlash draft", card_name="DFlash", names=("dflash",), config_class=DFlashConfig, module_class=DFlashDraft,
     proposer="headstart.inference.dflash:dflash_proposer", draft_prior="headstart.inference.dflash:draft_prior",
     trainer="headstart.train.dflash",
     max_depth=lambda config: config.block_size - 1,  # the block's slots after the root

@@ -44,6 +44,7 @@ def _nothing(config: Any) -> dict:
 @dataclass(frozen=True)
 class DraftMethod:
     title: str  # what it is in messages: "Medusa heads", "an EAGLE draft"
+    card_name: str  # what an exported model card calls it: "Medusa-1", "EAGLE-3"
     names: tuple[str, ...]  # the config.method values it covers; names[0] names its benchmark rows
     config_class: type  # the heads config dataclass (config.json), with a `method` field
     module_class: type  # the heads module built from the config (model.safetensors)

@@ -228,7 +228,7 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str = "c
 # The declarations of EAGLE-1 and EAGLE-3 (heads/draft_method.py), registered in heads/methods.py: one draft module
 # and trainer, two engine layouts.
 EAGLE = DraftMethod(
-    title="an EAGLE draft", names=("eagle",), config_class=EagleConfig, module_class=EagleDraft,
+    title="an EAGLE draft", card_name="EAGLE-1", names=("eagle",), config_class=EagleConfig, module_class=EagleDraft,
     proposer="headstart.inference.eagle:eagle_proposer", draft_prior="headstart.inference.eagle:draft_prior",
     trainer="headstart.train.eagle", dynamic_tree=True,
     formats=("vllm", "sglang"),
@@ -239,6 +239,6 @@ EAGLE = DraftMethod(
     engine_export="headstart.heads.export_formats:eagle1_export",
     bench_info=lambda config: {"method": config.method},
 )
-EAGLE3 = replace(EAGLE, names=("eagle3",), formats=("vllm", "sglang", "speculators", "llamacpp"), refusals={},
+EAGLE3 = replace(EAGLE, names=("eagle3",), card_name="EAGLE-3", formats=("vllm", "sglang", "speculators", "llamacpp"), refusals={},
                  engine_export="headstart.heads.export_formats:eagle3_export",
                  gguf_export="headstart.heads.export_gguf:eagle3_gguf")

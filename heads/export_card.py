@@ -10,6 +10,7 @@ from huggingface_hub import ModelCardData
 
 from headstart.heads.card_data import card_text, target_license
 from headstart.heads.export_formats import looks_like_hub_id
+from headstart.heads.methods import method_of
 from headstart.heads.served_speed import ENGINE_NAMES, MODEL_FREE, acceptance_source, expected_acceptance, served_summary
 
 
@@ -24,7 +25,7 @@ def launch_snippets(info: dict, model_ref: str) -> list[str]:
     k = int(info["num_speculative_tokens"])
     ref = shlex.quote(model_ref)
     if info["format"] == "sglang":
-        algo = "EAGLE3" if info["method"] == "eagle3" else "EAGLE"
+        algo = info["method"].upper()  # SGLang's algorithm names: EAGLE, EAGLE3 (the formats SGLang loads)
         return [f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algo} "
                 f"--speculative-draft-model-path {ref} --speculative-num-steps {k} "
                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
@@ -95,7 +96,7 @@ def model_card(info: dict, metrics: dict, model_ref: str) -> str:
     hub_id = info["target_hub_id"]
     k = info["num_speculative_tokens"]
     engine = {"vllm": "vLLM", "sglang": "SGLang", "speculators": "vLLM (speculators format)"}[info["format"]]
-    method = {"eagle3": "EAGLE-3", "eagle": "EAGLE-1", "medusa": "Medusa-1", "dflash": "DFlash"}[info["method"]]
+    method = method_of(info["method"]).card_name
     if hub_id:
         pair = f"Target: `{hub_id}` (trained on weights with headstart fingerprint `{target.get('fingerprint')}`)."
     else:

@@ -100,7 +100,7 @@ class MedusaHeads(DraftVocabHeads):
 
 # The one declaration of Medusa-1/2 (heads/draft_method.py), registered in heads/methods.py.
 MEDUSA = DraftMethod(
-    title="Medusa heads", names=("medusa", "medusa2"), config_class=MedusaConfig, module_class=MedusaHeads,
+    title="Medusa heads", card_name="Medusa-1", names=("medusa", "medusa2"), config_class=MedusaConfig, module_class=MedusaHeads,
     proposer="headstart.inference.medusa:medusa_proposer", draft_prior="headstart.inference.medusa:draft_prior",
     trainer="headstart.train.medusa",
     max_depth=lambda config: config.num_heads,  # one head per depth

@@ -57,7 +57,7 @@ class ToyProposer(Proposer):
 
 
 TOY = register(DraftMethod(
-    title="toy heads", names=("toy",), config_class=ToyConfig, module_class=ToyHeads,
+    title="toy heads", card_name="Toy", names=("toy",), config_class=ToyConfig, module_class=ToyHeads,
     proposer=lambda heads, model, tree, project: ToyProposer(heads, tree),
     draft_prior=lambda config, draft_vocab_fraction: {0: 0.01},
     max_depth=lambda config: config.depth,

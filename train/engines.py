@@ -1,6 +1,6 @@
 """Generation engines for self-distillation: token ids in, the target's generated token ids out.
 
-    engine = make_engine(cfg, model, tokenizer, eos_ids)
+    engine = make_engine(cfg, model, tokenizer, eos_ids)     (train/selfdistill.py)
     answers = engine.generate([[1, 2, 3], [1, 4]], seeds=[7, 8])   # -> [[5, 6, 2], [9, 9, 9, 9]]
 
 Every engine takes prompts rendered locally by heads/chat.py and returns the tokens the target wrote, ending with
@@ -114,16 +114,3 @@ class VLLMEngine:
         if on_answers is not None:
             on_answers(len(outputs))  # vLLM's offline generate returns them all at once
         return [list(o.outputs[0].token_ids) for o in outputs]
-
-
-def make_engine(cfg, model, tokenizer, eos_ids: set[int]):
-    """The engine for cfg.backend; `model` is used by hf only (None for the others)."""
-    if cfg.backend == "hf":
-        return HFEngine(model, cfg, eos_ids)
-    if cfg.backend == "vllm":
-        return VLLMEngine(cfg, eos_ids)
-    if cfg.backend == "openai":
-        from headstart.train.openai_engine import OpenAIEngine
-
-        return OpenAIEngine(cfg, tokenizer, eos_ids)
-    raise EngineError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")

@@ -2,20 +2,18 @@
 
     # CPU, the embedded default (the recipe: 768 prompts of the broad mix, mix:train):
     python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --output_dir runs/sd
-    # one GPU:
-    python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16
+    python train/selfdistill.py --config recipes/smollm2-135m/selfdistill.yaml --device cuda --dtype bfloat16  # a GPU
     # several processes (GPUs, or two CPU processes): batches are sharded, the result is the same
     accelerate launch --multi_gpu --num_processes 2 train/selfdistill.py --config ... --output_dir runs/sd
-    # a serving engine (train/engines.py): vLLM in this process, or OpenAI-compatible servers
+    # a serving engine (train/engines.py, train/openai_engine.py): vLLM in this process, or OpenAI-compatible servers
     python train/selfdistill.py --config ... --backend vllm --tensor_parallel_size 2
     python train/selfdistill.py --config ... --backend openai --server_url http://host1:8000 http://host2:8000
 
-The target answers turn by turn through its own chat template (heads/chat.py: the renderer inference uses
-too), with its earlier answers fed back in multi-turn conversations; greedy (temperature 0) or sampled. Every
-backend gets the prompts as token ids and returns the generated token ids; the rows are built from those ids here,
-the same way for every backend.
-Batches are fixed by the prompt order, so the result does not depend on the number of processes; each
-finished batch is written to `OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the
+The target answers turn by turn through its own chat template (heads/chat.py: the renderer inference uses too),
+with its earlier answers fed back in multi-turn conversations; greedy (temperature 0) or sampled. Every backend gets
+the prompts as token ids and returns the generated token ids; the rows are built from those ids here, the same way
+for every backend. Batches are fixed by the prompt order, so the result does not depend on the number of processes;
+each finished batch is written to `OUTPUT_DIR/parts/` at once, and a rerun (after a crash or a kill) skips the
 batches already there.
 
 Output, in OUTPUT_DIR:
@@ -49,12 +47,25 @@ from headstart.heads.prompts import PromptRow, load_prompts
 from headstart.heads.target import load_target, load_target_without_model
 from headstart.train.config import ConfigError, check_number, parse_config
 from headstart.train.data import DataError
-from headstart.train.engines import BACKENDS, engine_gpus, make_engine, request_seed
+from headstart.train.engines import BACKENDS, EngineError, HFEngine, VLLMEngine, engine_gpus, request_seed
 
 # settings that change the rows: a rerun into the same directory must use the same ones (server URLs, parallelism
 # and in-flight counts do not change them)
 RESULT_FIELDS = ("target", "prompts", "num_prompts", "max_turns", "max_new_tokens", "max_length", "batch_size",
                  "temperature", "top_p", "seed", "dtype", "system_prompt", "chat_template", "backend")
+
+
+def make_engine(cfg, model, tokenizer, eos_ids: set[int]):
+    """The engine for cfg.backend; `model` is used by hf only (None for the others)."""
+    if cfg.backend == "hf":
+        return HFEngine(model, cfg, eos_ids)
+    if cfg.backend == "vllm":
+        return VLLMEngine(cfg, eos_ids)
+    if cfg.backend == "openai":
+        from headstart.train.openai_engine import OpenAIEngine
+
+        return OpenAIEngine(cfg, tokenizer, eos_ids)
+    raise EngineError(f"backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
 
 
 @dataclass
