@@ -203,7 +203,7 @@ class DFlashDraft(DraftVocabHeads):
 DFLASH = DraftMethod(
     title="a DFlash draft", card_name="DFlash", names=("dflash",), config_class=DFlashConfig, module_class=DFlashDraft,
     proposer="headstart.inference.dflash:dflash_proposer", draft_prior="headstart.inference.dflash:draft_prior",
-    trainer="headstart.train.dflash",
+    trainer="headstart.train.dflash", train_config="DFlashTrainConfig",
     max_depth=lambda config: config.block_size - 1,  # the block's slots after the root
     scores_target_rows=lambda config: True,
     engine_chain=lambda config: config.block_size - 1,  # it drafts its whole block at once

@@ -55,6 +55,7 @@ class DraftMethod:
     # the adaptive policy charges until `--tree auto` measures the draft (inference/adapt.py)
     draft_prior: Ref
     trainer: str | None = None  # the module whose main(argv) `headstart train --method NAME` runs
+    train_config: str | None = None  # the name of the trainer module's config dataclass (its recipes' fields)
     dynamic_tree: bool = False  # True: the draft grows its own tree each step (EAGLE); False: it fills a static tree
     max_depth: Callable[[Any], int | None] = _none  # a static tree's deepest node it drafts; None: any depth
     scores_target_rows: Callable[[Any], bool] = _false  # drafts through the target's lm_head (heads.draft_lm_head_weight)

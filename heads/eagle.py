@@ -230,7 +230,7 @@ def causal_mask(length: int, dtype: torch.dtype, device: torch.device | str = "c
 EAGLE = DraftMethod(
     title="an EAGLE draft", card_name="EAGLE-1", names=("eagle",), config_class=EagleConfig, module_class=EagleDraft,
     proposer="headstart.inference.eagle:eagle_proposer", draft_prior="headstart.inference.eagle:draft_prior",
-    trainer="headstart.train.eagle", dynamic_tree=True,
+    trainer="headstart.train.eagle", train_config="EagleTrainConfig", dynamic_tree=True,
     formats=("vllm", "sglang"),
     refusals={"speculators": ("vLLM 0.32's speculators reader takes eagle3 (and peagle / dflash) only, not EAGLE-1: "
                               "use --format vllm for EAGLE-1 heads"),

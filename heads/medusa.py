@@ -102,7 +102,7 @@ class MedusaHeads(DraftVocabHeads):
 MEDUSA = DraftMethod(
     title="Medusa heads", card_name="Medusa-1", names=("medusa", "medusa2"), config_class=MedusaConfig, module_class=MedusaHeads,
     proposer="headstart.inference.medusa:medusa_proposer", draft_prior="headstart.inference.medusa:draft_prior",
-    trainer="headstart.train.medusa",
+    trainer="headstart.train.medusa", train_config="MedusaTrainConfig",
     max_depth=lambda config: config.num_heads,  # one head per depth
     scores_target_rows=lambda config: config.share_lm_head,
     timed_per_tree=False,  # medusa_logits scores every head at once

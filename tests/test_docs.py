@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from conftest import tiny_chat_tokenizer, tiny_model
+from headstart.heads.methods import method_names, method_of
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = (("accelerate", "launch"), ("python", "-m", "accelerate.commands.launch"))
@@ -130,13 +131,16 @@ def recipe_field(args: list[str], key: str):
     return (yaml.safe_load((ROOT / args[args.index("--config") + 1]).read_text()) or {}).get(key)
 
 
+# each registered method's trainer module -> its config dataclass (heads/methods.py): the training commands
+TRAINER_CONFIGS = {method_of(name).trainer: method_of(name).train_config for name in method_names()
+                   if method_of(name).trainer is not None}
 PROMPTS = "10"  # prompts self-distilled, by a script or by a trainer that finds no data (the same settings)
 
 
 def reduce_args(module: str, args: list[str], target: str) -> list[str]:
     if module == "headstart.train.selfdistill":  # the recipe's generation settings stay: a trainer's self-distillation uses them
         return args + ["--target", target, "--num_prompts", PROMPTS]
-    if module in ("headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash"):
+    if module in TRAINER_CONFIGS:
         extra = ["--target", target, "--num_prompts", PROMPTS, "--max_steps", "2", "--eval_rows", "2",
                  "--per_device_batch_size", "2", "--gradient_accumulation_steps", "1", "--checkpoint_every", "1", "--max_length", "256",
                  "--report_to", "none"]
@@ -213,8 +217,7 @@ def last_value(args: list[str], flag: str, default=None):
     return values[-1] if values else default
 
 
-CONFIG_CLASSES = {"headstart.train.selfdistill": "SelfDistillConfig", "headstart.train.medusa": "MedusaTrainConfig",
-                  "headstart.train.eagle": "EagleTrainConfig", "headstart.train.dflash": "DFlashTrainConfig"}
+CONFIG_CLASSES = {"headstart.train.selfdistill": "SelfDistillConfig", **TRAINER_CONFIGS}
 
 
 def output_dir(module: str, args: list[str]) -> Path | None:
@@ -382,7 +385,7 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
                 result = done.code
     assert result in (None, 0) or isinstance(result, dict), f"{where}: `{command}` returned {result!r}\n{printed.getvalue()}"
     check_outputs(module, args, printed.getvalue())
-    if module in ("headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash") and last_value(args, "--build_cache_only") != "true":
+    if module in TRAINER_CONFIGS and last_value(args, "--build_cache_only") != "true":
         # a rerun into the same directory wrote its heads again
         assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 

@@ -1,19 +1,17 @@
 """Every recipe loads into its script's config, and opens with the command that launches it."""
 
+import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from headstart.heads.methods import method_of
 from headstart.train.config import ConfigError, build_config, parse_config, resolve_recipe, shipped_recipes
-from headstart.train.dflash import DFlashTrainConfig
-from headstart.train.eagle import EagleTrainConfig
 from headstart.train.medusa import MedusaTrainConfig
 from headstart.train.selfdistill import SelfDistillConfig
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-SCRIPT_CONFIGS = {"selfdistill": SelfDistillConfig, "medusa": MedusaTrainConfig, "eagle": EagleTrainConfig,
-                  "dflash": DFlashTrainConfig}
 
 
 def script_recipes():
@@ -21,10 +19,12 @@ def script_recipes():
 
 
 def config_class(path: Path):
-    stem = path.stem.rstrip("0123456789")  # medusa2.yaml -> medusa, eagle3.yaml -> eagle
-    if stem not in SCRIPT_CONFIGS:
-        pytest.fail(f"{path}: no script config known for recipes named {path.stem!r}")
-    return SCRIPT_CONFIGS[stem]
+    """The recipe's config dataclass: self-distillation's, or its method's trainer's (heads/methods.py)."""
+    method = yaml.safe_load(path.read_text()).get("method")
+    if method is None:
+        return SelfDistillConfig
+    declared = method_of(method)
+    return getattr(importlib.import_module(declared.trainer), declared.train_config)
 
 
 @pytest.mark.parametrize("path", script_recipes(), ids=lambda p: str(p.relative_to(RECIPES)))
@@ -34,7 +34,8 @@ def test_recipe_loads_and_names_its_launch_command(path):
     for key, value in recipe.items():
         assert getattr(cfg, key) == value
     first_lines = path.read_text().splitlines()[:6]
-    assert any(f"train/{path.stem.rstrip('0123456789')}.py" in line for line in first_lines if line.startswith("#"))
+    script = "selfdistill" if cfg.__class__ is SelfDistillConfig else method_of(cfg.method).trainer.rsplit(".", 1)[1]
+    assert any(f"train/{script}.py" in line for line in first_lines if line.startswith("#"))
 
 
 @pytest.mark.parametrize("path", sorted((RECIPES / "accelerate").glob("*.yaml")), ids=lambda p: p.name)
