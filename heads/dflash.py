@@ -8,7 +8,7 @@ not known yet. Tokens are embedded with the target's embedding, except `mask_tok
 trained `mask_embedding` (vLLM reads it from `mask_embedding.pt`). In every draft layer the block's queries attend to
   keys/values of the context: k_norm(k_proj(ctx_s)), v_proj(ctx_s) for every position s < p (the layer's own
     projections of the same fused context; the context has no residual stream of its own), and
-  keys/values of the whole block (bidirectional inside the block),
+  keys/values of the whole block (bidirectional inside the block), or with `block_causal` of block slots 0..j only,
 with RoPE at absolute positions. Block slot j (1 .. block_size - 1) then predicts the token at position p + j
 through `norm` and the target's frozen lm_head (no shift: slot j's output scores x_{p+j}); slot 0's is unused.
 The layers are Qwen3 decoder layers (q_norm / k_norm per head) of the target's width; embeddings and lm_head are the
@@ -56,6 +56,9 @@ class DFlashConfig:
     feature_layers: list[int] = field(default_factory=list)  # HF hidden_states indices the draft reads
     layer_config: dict = field(default_factory=dict)  # Qwen3Config fields of the draft layers (the target's width)
     draft_vocab_size: int = 0  # > 0: the draft scores only these many target ids (`token_map`); 0: all of them
+    # True: block slot j attends to block slots 0..j only (speculators' DFlash default; a slot's guess then does not
+    # depend on how many slots follow it); False: to the whole block. Absent from a config.json: False (older drafts)
+    block_causal: bool = False
     target: dict = field(default_factory=dict)  # headstart.heads.target.TargetInfo.to_dict() of the target
 
     def __post_init__(self):
@@ -79,7 +82,7 @@ def default_feature_layers(num_hidden_layers: int, taps: int = DEFAULT_TAPS) -> 
 
 def dflash_config_for(model, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
                       feature_layers: list[int] | None = None, draft_vocab_size: int = 0,
-                      target_info: Any = None) -> DFlashConfig:
+                      target_info: Any = None, block_causal: bool = False) -> DFlashConfig:
     """A DFlashConfig whose layers have the target's width (hidden, heads, MLP, RoPE, norm eps)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -96,13 +99,13 @@ def dflash_config_for(model, num_layers: int = 2, block_size: int = 8, mask_toke
         hidden_size=text.hidden_size, vocab_size=text.vocab_size, num_layers=num_layers, block_size=block_size,
         mask_token_id=mask_token_id,
         feature_layers=list(feature_layers) if feature_layers else default_feature_layers(text.num_hidden_layers),
-        layer_config=layer_config, draft_vocab_size=draft_vocab_size,
+        layer_config=layer_config, draft_vocab_size=draft_vocab_size, block_causal=block_causal,
         target=target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info or {}),
     )
 
 
 class DFlashAttention(nn.Module):
-    """Block queries over [context keys ; block keys], no causal mask inside the block."""
+    """Block queries over [context keys ; block keys] under the caller's mask (heads/dflash.py's docstring)."""
 
     def __init__(self, config: Qwen3Config):
         super().__init__()
@@ -192,6 +195,17 @@ class DFlashDraft(DraftVocabHeads):
         for layer, kv in zip(self.layers, context_kv):
             x = layer(x, cos, sin, kv, mask)
         return x
+
+    def decode_mask(self, context_len: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The attention mask of one block after `context_len` cached positions at inference: None (everything) for a
+        bidirectional block; with block_causal bool [1, 1, Bk, context_len + Bk], slot j seeing the context and
+        block slots 0..j."""
+        if not self.config.block_causal:
+            return None
+        Bk = self.config.block_size
+        block = torch.ones(Bk, Bk, dtype=torch.bool, device=device).tril()
+        context = torch.ones(Bk, context_len, dtype=torch.bool, device=device)
+        return torch.cat([context, block], dim=1)[None, None]
 
     def logits(self, out: torch.Tensor, scored_weight: torch.Tensor) -> torch.Tensor:
         """out [..., h] -> logits [..., Vd] through `norm` and the rows of the target's lm_head the draft scores

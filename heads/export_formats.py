@@ -38,6 +38,8 @@ Engine conventions (the layouts vLLM's and SGLang's EAGLE / Medusa loaders and S
   uses the target's). The draft's trained mask embedding goes to `mask_embedding.pt` ({mask_token_id, embedding}),
   the file vLLM substitutes for the mask token's embedding row. `token_map` itself is not shipped (an unknown tensor is an error there). The block is set by num_speculative_tokens alone, so
   the launch command gives block_size - 1 (the block attends both ways: another length changes every slot).
+  `dflash_config.causal` says whether block slot j attends to slots 0..j only (`block_causal`; vLLM reads it for
+  every layer) or to the whole block.
   vLLM 0.32's CPU kernel normalises every layer's context keys with layer 0's k_norm (docs/serving.md); a draft of
   several layers with distinct k_norm weights is exported as trained and the note says so.
 - Qwen2-family drafts (q/k/v biases, no o_proj bias) are written as Llama layers with `attention_bias: true` and a
@@ -345,7 +347,8 @@ def dflash_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
                   target_hidden_size=h, torch_dtype="float32",
                   rope_theta=layer["rope_parameters"].get("rope_theta"),
                   dflash_config={"target_layer_ids": sorted(i - 1 for i in cfg.feature_layers),
-                                 "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size})
+                                 "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
+                                 "causal": cfg.block_causal})  # vLLM's per-layer causality inside the block
     notes = {"layer_ids": f"vLLM target_layer_ids {config['dflash_config']['target_layer_ids']} = HF hidden_states "
                           f"{sorted(cfg.feature_layers)} (vLLM's k is hidden_states[k + 1])",
              "block": f"serve with num_speculative_tokens {k} (the trained block, anchor included, "

@@ -279,6 +279,10 @@ def dflash_gguf(heads, target) -> GgufDraft:
         raise ExportError(f"feature_layers {cfg.feature_layers}: llama.cpp's DFlash taps layer inputs, HF "
                           f"hidden_states 0..{L - 1}; hidden_states[{L}] is the final-norm output it cannot tap: "
                           "train with feature_layers below the target's layer count, or use --format vllm")
+    if cfg.block_causal:
+        raise ExportError("this DFlash draft attends causally inside the block (block_causal), and llama.cpp's dflash "
+                          "draft (src/models/dflash.cpp) attends both ways with no setting for it: use --format vllm "
+                          "(dflash_config.causal), or train with block_causal false for llama.cpp")
     layer = dict(cfg.layer_config)
     if layer.get("attention_bias"):
         raise ExportError("this DFlash draft's layers have attention biases, which llama.cpp's dflash layer does not "

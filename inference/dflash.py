@@ -5,7 +5,8 @@ position (heads/dflash.py). Each proposal
   1. appends those of the positions new since the last call (the prompt after the prefill, the accepted path after
      a verification), from the target's true features;
   2. runs the block [root, mask x (block_size - 1)] at positions n .. n + block_size - 1 (n = the root's position,
-     the first one without target features) over them, the block bidirectional, nothing of it kept;
+     the first one without target features) over them, the block bidirectional (or causal: `block_causal`),
+     nothing of it kept;
   3. fills a static tree: the node at depth d and rank r gets slot d's rank-r token (slots are scored
      independently, as Medusa heads are, so the same trees, tree sizing and adaptive drafting apply).
 A chain (the tree [[0], [0, 0], ...]) is what an engine verifies.
@@ -73,7 +74,8 @@ class DFlashProposer(Proposer):
         tokens = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = root
         positions = torch.arange(self.committed, self.committed + cfg.block_size, device=device)[None]
-        out = self.draft(self.draft.embed_block(tokens, self.embed(tokens)), positions, self.cache)[0]  # [Bk, h]
+        mask = self.draft.decode_mask(self.committed, device)
+        out = self.draft(self.draft.embed_block(tokens, self.embed(tokens)), positions, self.cache, mask)[0]  # [Bk, h]
         return self.project(self.draft.norm(out[1 : depth + 1]))
 
     def _commit(self) -> None:

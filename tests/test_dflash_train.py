@@ -16,8 +16,8 @@ from headstart.heads.target import load_target
 from conftest import tiny_model
 from test_eagle_train import llama_dir, sd_dir, train_log, weights  # noqa: F401 (fixtures: a 4-layer target, its rows)
 from headstart.train.config import ConfigError, parse_config
-from headstart.train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token, main,
-                          pick_anchors, valid_anchors)
+from headstart.train.dflash import (BlockDraft, DFlashTrainConfig, block_inputs, check_config, choose_mask_token,
+                                    dpace_weights, init_from_target, main, pick_anchors, prepare_batch, valid_anchors)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,9 +29,10 @@ def args(target_dir, data_dir, out, *extra) -> list[str]:
             "--draft_vocab_size", "64"] + [str(e) for e in extra]
 
 
-def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0) -> DFlashDraft:
+def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0, block_causal: bool = False) -> DFlashDraft:
     torch.manual_seed(seed)
-    draft = DFlashDraft(dflash_config_for(model, num_layers, block_size, mask_token_id=5, feature_layers=[1, 2, 3]))
+    draft = DFlashDraft(dflash_config_for(model, num_layers, block_size, mask_token_id=5, feature_layers=[1, 2, 3],
+                                          block_causal=block_causal))
     with torch.no_grad():  # norms away from 1 and a mask embedding, so a wrong norm or embedding shows
         for name, p in draft.named_parameters():
             if "norm" in name:
@@ -75,14 +76,19 @@ def test_block_mask_sees_only_the_past_and_its_own_block():
     assert mask[0, :10].tolist() == [True] * 3 + [False] * 7  # strictly before the anchor
     assert mask[4, :10].tolist() == [True] * 7 + [False] * 3
     assert mask[:, 10:].int().tolist() == [[1, 1, 1, 0, 0, 0]] * 3 + [[0, 0, 0, 1, 1, 1]] * 3
+    causal = block_inputs(batch, DFlashTrainConfig(block_size=3, block_causal=True), 9, None, 2)["mask"][0, 0]
+    assert torch.equal(causal[:, :10], mask[:, :10])  # the context rule is unchanged
+    assert causal[:, 10:].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                                             [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
+@pytest.mark.parametrize("model_type,causal", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_training_blocks_equal_the_inference_cache(model_type, causal, one_thread):
     """Two blocks drawn in one training forward give what inference computes for each: the context's keys and values
-    appended in pieces (as the decode loop commits accepted tokens), then the block alone, no mask."""
+    appended in pieces (as the decode loop commits accepted tokens), then the block alone under decode_mask (none
+    for a bidirectional block)."""
     model = tiny_model(model_type, num_hidden_layers=4)
-    draft = random_draft(model, block_size=4)
+    draft = random_draft(model, block_size=4, block_causal=causal)
     T = 12
     taps = torch.randn(1, T, 3 * 64)
     anchors = [5, 9]
@@ -92,7 +98,7 @@ def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
     mask = torch.zeros(1, 1, 8, T + 8, dtype=torch.bool)
     for k, p in enumerate(anchors):
         mask[0, 0, 4 * k : 4 * k + 4, :p] = True
-        mask[0, 0, 4 * k : 4 * k + 4, T + 4 * k : T + 4 * k + 4] = True
+        mask[0, 0, 4 * k : 4 * k + 4, T + 4 * k : T + 4 * k + 4] = torch.ones(4, 4).tril().bool() if causal else True
     with torch.no_grad():
         trained = BlockDraft(draft)(taps, tokens, embeds, positions, mask)[0]  # [8, h]
         for k, p in enumerate(anchors):
@@ -104,7 +110,8 @@ def test_training_blocks_equal_the_inference_cache(model_type, one_thread):
                 cache = [new if old is None else (torch.cat([old[0], new[0]], 2), torch.cat([old[1], new[1]], 2))
                          for old, new in zip(cache, kv)]
             block = slice(4 * k, 4 * k + 4)
-            alone = draft(draft.embed_block(tokens[:, block], embeds[:, block]), positions[:, block], cache)[0]
+            alone = draft(draft.embed_block(tokens[:, block], embeds[:, block]), positions[:, block], cache,
+                          draft.decode_mask(p))[0]
             torch.testing.assert_close(trained[4 * k : 4 * k + 4], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -115,13 +122,75 @@ def test_mask_token_is_the_lowest_unused_id():
         choose_mask_token([{"input_ids": list(range(4))}], 4)
 
 
+def test_dpace_weights_by_hand():
+    """3 selected slots with draft probabilities .5, .25, 1 (CE = ln 2, ln 4, 0), alpha .5: s = .75, .625, 1,
+    P = .75, .46875, .46875, w = suffix sums 1.6875, .9375, .46875; an unselected slot weighs 0 and counts as s = 1."""
+    ce = torch.tensor([2.0, 4.0, 1.0]).log()
+    w = dpace_weights(ce, torch.tensor([[[True, True, True]]]), 0.5)
+    assert w.tolist() == [[[1.6875, 0.9375, 0.46875]]]
+    w = dpace_weights(ce[:2], torch.tensor([[[True, False, True]]]), 0.5)  # the second slot unsupervised
+    assert w.tolist() == [[[0.75 + 0.75 * 0.625, 0.0, 0.75 * 0.625]]]
+    assert dpace_weights(torch.zeros(2), torch.tensor([[[True, True], [False, False]]]), 0.5).tolist() == \
+        [[[2.0, 1.0], [0.0, 0.0]]]  # a perfect draft: B - j; a padding block: nothing
+
+
+class FixedSource:
+    """A FeatureSource stand-in: given taps and final hidden states."""
+
+    def __init__(self, taps, final):
+        self.taps, self.final = taps, final
+
+    def batch(self, batch):
+        return self.taps, self.final
+
+
+def test_target_argmax_labels_keep_out_of_vocabulary_slots():
+    """labels target_argmax: every supervised slot is selected, the label is the target's argmax over the draft
+    vocabulary at the position before (the best in-vocabulary token where the data token is outside it); labels
+    data drops the out-of-vocabulary slots; dpace gives base weights 1 (the loss is divided by their count)."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    draft = DFlashDraft(dflash_config_for(model, 2, 3, mask_token_id=5, feature_layers=[1, 2, 3], draft_vocab_size=32))
+    draft.set_draft_vocab(torch.arange(0, 32))  # target ids 0..31 only
+    ids = torch.tensor([[3, 4, 10, 40, 12, 13, 50, 8]])  # 40 and 50 are outside the draft vocabulary
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 0]]),
+             "rows": torch.tensor([0])}
+    final = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(0))
+    scored = draft.draft_lm_head_weight(model.get_output_embeddings().weight)  # [32, h]
+    source = FixedSource(torch.randn(1, 8, 3 * 64), final)
+    common = dict(block_size=3, anchors_per_row=2)
+    hard = prepare_batch(batch, source, model, draft, scored, DFlashTrainConfig(labels="target_argmax", **common), None, 2)
+    data = prepare_batch(batch, source, model, draft, scored, DFlashTrainConfig(labels="data", slot_weights="dpace",
+                                                                                **common), None, 2)
+    # anchors 1 and 5 (evenly spaced of 1..5): slots x2, x3 and x6, x7 (x7 is a user token)
+    assert hard["labels"].tolist() == [[[10, 40], [50, 8]]]
+    assert hard["selected"].tolist() == [[[True, True], [True, False]]]
+    assert data["selected"].tolist() == [[[True, False], [False, False]]]
+    expected = (final[0, [1, 2, 5]] @ scored.t()).argmax(-1)  # the target's logits one position before each label
+    assert torch.equal(hard["target_labels"], expected)
+    assert data["target_labels"].tolist() == [10] and data["weights"].tolist() == [[[1.0, 0.0], [0.0, 0.0]]]
+    assert hard["probs"] is None and data["probs"] is None
+
+
+def test_mask_input_target_row_is_the_frozen_target_row_and_init_std():
+    model = tiny_model("llama", num_hidden_layers=4)
+    draft = random_draft(model)
+    init_from_target(draft, model, layers=False, mask_input="target_row", init_std=0.02)
+    assert torch.equal(draft.mask_embedding, model.get_input_embeddings().weight[5]) and not draft.mask_embedding.requires_grad
+    for weight in (draft.fc.weight.detach(), draft.layers[0].mlp.up_proj.weight.detach()):
+        assert abs(float(weight.std()) - 0.02) < 2e-3 and abs(float(weight.mean())) < 2e-3
+    assert torch.all(draft.norm.weight != 1)  # norms are left as they were (random_draft's)
+    trained = random_draft(model)
+    init_from_target(trained, model, layers=False)
+    assert trained.mask_embedding.requires_grad and not torch.equal(trained.mask_embedding, model.get_input_embeddings().weight[5])
+
+
 # ----------------------------------------------------------------------------------------------------
 # end to end
 
 
 def test_train_learns_and_writes_heads_dir(llama_dir, sd_dir, tmp_path, one_thread):
     """12 rows, held-out rows = copies of 4 of them: the draft fits its rows, the heads dir round-trips strictly."""
-    metrics = main(args(llama_dir, sd_dir, tmp_path, "--num_epochs", "12", "--soft_labels", "false",
+    metrics = main(args(llama_dir, sd_dir, tmp_path, "--num_epochs", "12", "--labels", "data",
                         "--init_layers_from_target", "false"))
     log = train_log(tmp_path)
     first, last = log[:6], log[-6:]  # one epoch each: the same rows
@@ -178,3 +247,9 @@ def test_recipe_parses_and_bad_configs_fail():
         check_config(DFlashTrainConfig(block_size=1))
     with pytest.raises(ConfigError, match="method"):
         check_config(DFlashTrainConfig(method="eagle3"))
+    for field, value in (("labels", "soft"), ("slot_weights", "pace"), ("optimizer", "sgd"), ("lr_schedule", "step"),
+                         ("mask_input", "zero")):
+        with pytest.raises(ConfigError, match=field):
+            check_config(DFlashTrainConfig(**{field: value}))
+    with pytest.raises(ConfigError, match="dpace_alpha"):
+        check_config(DFlashTrainConfig(dpace_alpha=1.5))

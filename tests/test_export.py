@@ -358,12 +358,14 @@ VLLM_DFLASH = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
 
-def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash", draft_vocab: int = 32):
+def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash", draft_vocab: int = 32,
+               block_causal: bool = False):
     from headstart.heads.dflash import DFlashDraft, dflash_config_for
 
     torch.manual_seed(3)
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=7,
-                                          feature_layers=feature_layers, draft_vocab_size=draft_vocab, target_info=info))
+                                          feature_layers=feature_layers, draft_vocab_size=draft_vocab, target_info=info,
+                                          block_causal=block_causal))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -385,6 +387,7 @@ def test_dflash_vllm_layout(tmp_path):
     assert torch.equal(ids, torch.arange(32) * 2) and torch.equal(tensors["lm_head.weight"], model.lm_head.weight[ids])
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4] and config["dflash_config"]["mask_token_id"] == 7
+    assert config["dflash_config"]["causal"] is False  # vLLM: the block attends both ways, as trained
     assert config["num_hidden_layers"] == 2 and config["rope_parameters"]["rope_theta"] == config["rope_theta"]
     assert "eagle_aux_hidden_state_layer_ids" not in config and "eagle_config" not in config  # they would win in vLLM
     taps = torch.randn(5, 3 * 64)  # headstart's order: hidden_states 4, 2, 5
@@ -398,6 +401,9 @@ def test_dflash_vllm_layout(tmp_path):
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card
     with pytest.raises(ExportError, match="vLLM only"):
         export_heads(path, tmp_path / "sg", "sglang")
+    causal, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="causal", block_causal=True)
+    config, _ = read(export_heads(causal, tmp_path / "causal-out", "vllm", target=model))
+    assert config["dflash_config"]["causal"] is True
     full, full_draft = dflash_dir(tmp_path, model, info, [2, 3], name="full", draft_vocab=0)
     config, tensors = read(export_heads(full, tmp_path / "full-out", "vllm", target=model))
     assert set(tensors) == VLLM_DFLASH and "draft_vocab_size" not in config  # vLLM uses the target's lm_head

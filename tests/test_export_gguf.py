@@ -195,6 +195,9 @@ def test_dflash_gguf_names_shapes_keys(tmp_path):
     assert np.array_equal(data["blk.1.attn_q.weight"], draft.layers[1].self_attn.q_proj.weight.detach().numpy())
     card = (out / "README.md").read_text()
     assert "--spec-type draft-dflash --spec-draft-n-max 3" in card and "mask_embedding" in card
+    causal, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="causal", block_causal=True)
+    with pytest.raises(ExportError, match="block_causal"):  # llama.cpp's dflash draft attends both ways
+        export_heads(causal, tmp_path / "causal-out", "llamacpp", target=model, target_gguf=tmp_path / "target.gguf")
     full, _ = dflash_dir(tmp_path, model, info, [2, 3], name="full", draft_vocab=0)
     meta, dims, data = read_gguf(export_heads(full, tmp_path / "full-out", "llamacpp", target=model,
                                               target_gguf=tmp_path / "target.gguf") / "draft.gguf")

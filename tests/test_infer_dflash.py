@@ -19,12 +19,13 @@ from headstart.inference.tree import Proposer, tree_from_choices
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0) -> DFlashDraft:
+def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0, block_causal: bool = False) -> DFlashDraft:
     torch.manual_seed(seed)
     vocab = model.config.vocab_size
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=block_size, mask_token_id=vocab - 1,
                                           feature_layers=[1, 3], draft_vocab_size=draft_vocab,
-                                          target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
+                                          target_info={"name": "tiny", "fingerprint": fingerprint(model)},
+                                          block_causal=block_causal))
     if draft_vocab:
         draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
     with torch.no_grad():  # the target's lm_head reads the draft's output: make it the target's scale
@@ -43,12 +44,12 @@ def no_eos(model):
     return model
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type,block_causal", [("llama", False), ("qwen2", False), ("llama", True)])
 @pytest.mark.parametrize("tree", [[[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]])
-def test_greedy_output_equals_generate(model_type, tree):
+def test_greedy_output_equals_generate(model_type, block_causal, tree):
     """A 16-token vocabulary: random drafts are often right, so accepted paths (scattered too) are exercised."""
     model = no_eos(tiny_model(model_type, num_hidden_layers=4, vocab_size=16, seed=3))
-    spec = spec_for(model, make_draft(model), tree)
+    spec = spec_for(model, make_draft(model, block_causal=block_causal), tree)
     gen = torch.Generator().manual_seed(0)
     accepted = 0
     for i in range(6):
@@ -141,3 +142,39 @@ def test_speculator_loads_dflash_dirs_sizes_trees_and_refuses_another_target(tmp
     other = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=9)
     with pytest.raises(SpeculatorError, match="fingerprint"):
         Speculator.from_pretrained(str(tmp_path), target=other)
+
+
+def test_block_causal_slots_ignore_later_slots_and_old_dirs_stay_bidirectional(tmp_path):
+    """A causal block's slot j equals slot j of a block cut after it; a bidirectional one's does not. A heads dir whose
+    config.json predates block_causal (no such key) loads bidirectional and gives exactly the logits it gave."""
+    import json
+
+    from headstart.heads.load import load_heads
+
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3)
+    taps = torch.randn(1, 6, 2 * 64, generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for causal in (False, True):
+        draft = make_draft(model, block_size=4, block_causal=causal)
+        proposer = DFlashProposer(draft, model, tree_from_choices([[0], [0, 0], [0, 0, 0]]),
+                                  lambda x: x @ model.lm_head.weight.t())
+        proposer.pending = [taps[0]]
+        proposer._commit()
+        full = proposer.block_logits(root=5, depth=3)  # [3, V]
+        draft.config.block_size = 3  # the same weights, a block one slot shorter
+        short = proposer.block_logits(root=5, depth=2)
+        draft.config.block_size = 4
+        assert torch.allclose(full[:2], short, atol=1e-6) == causal
+        logits[causal] = full
+        if not causal:
+            draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.pop("block_causal") is False
+    (tmp_path / "config.json").write_text(json.dumps(config))  # as the code before block_causal wrote it
+    old = load_heads(tmp_path, None)
+    assert old.config.block_causal is False and old.decode_mask(6) is None
+    proposer = DFlashProposer(old, model, tree_from_choices([[0], [0, 0], [0, 0, 0]]),
+                              lambda x: x @ model.lm_head.weight.t())
+    proposer.pending = [taps[0]]
+    proposer._commit()
+    assert torch.equal(proposer.block_logits(root=5, depth=3), logits[False])

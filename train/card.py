@@ -67,7 +67,7 @@ def card_facts(cfg, info, stats: dict, metrics: dict) -> str:
             f"- Data: self-distilled conversations from `{cfg.data_dir}`: {stats['train_rows']} training rows, "
             f"{stats['eval_rows']} held out (the last rows), max_length {cfg.max_length}\n"
             f"- Training: {metrics['steps']} optimizer steps, global batch {metrics['global_batch']} rows, "
-            f"lr {cfg.learning_rate}, cosine with {cfg.warmup_ratio:.0%} warmup, {metrics['train_seconds']:.0f} s")
+            f"lr {cfg.learning_rate}, {getattr(cfg, 'lr_schedule', 'cosine')} with {cfg.warmup_ratio:.0%} warmup, {metrics['train_seconds']:.0f} s")
 
 
 def accuracy_table(slot: str, metrics: dict) -> str:

@@ -42,6 +42,7 @@ from torch import nn
 from headstart.heads.dflash import DFlashDraft, dflash_config_for
 from headstart.heads.draft_vocab import most_frequent_tokens
 from headstart.train.card import CardText, heads_card
+from headstart.train.eagle import param_groups
 from headstart.train.cli import run_main
 from headstart.train.config import ConfigError, TrainRunConfig, check_number, check_run_config, parse_config
 from headstart.train.data import row_generator, supervised_token_counts
@@ -50,6 +51,9 @@ from headstart.train.features import FeatureSource, open_feature_source
 from headstart.train.from_target import copy_last_layers
 from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
+
+
+LABELS = ("target_probs", "target_argmax", "data")
 
 
 @dataclass
@@ -65,10 +69,27 @@ class DFlashTrainConfig(TrainRunConfig):
     mask_token_id: int = -1  # -1: the lowest target token id that no training row contains
     draft_vocab_size: int = 8192  # the most frequent target-written tokens the draft scores (0: the whole vocabulary)
     init_layers_from_target: bool = False  # start the draft layers from the target's last layers (shapes match)
+    init_std: float = 0.0  # > 0: fc and every draft-layer Linear start N(0, init_std) (speculators: 0.02); 0: torch's
+    # the mask token's input: trained (the draft's own mask_embedding, trained; mask token = an id no row contains) |
+    # target_row (the target's frozen embedding row of the mask token, the pad token unless mask_token_id is set:
+    # speculators' and vLLM's DSpark choice, which then need no mask_embedding file)
+    mask_input: str = "trained"
+    block_causal: bool = False  # block slot j attends to slots 0..j only (speculators' default) instead of the whole block
     # training signal
     anchors_per_row: int = 64  # blocks drawn per row per step
-    loss_decay: float = 4.0  # slot j's weight is exp(-(j - 1) / loss_decay)
-    soft_labels: bool = True  # cross-entropy against the target's distribution (else its token)
+    # labels: target_probs (soft CE against the target's distribution over the draft vocabulary; slots whose data token
+    # is outside it are dropped) | target_argmax (CE on the target's argmax over the draft vocabulary, speculators':
+    # every supervised slot is kept, an out-of-vocabulary token's slot learns the best in-vocabulary one) | data (CE on
+    # the data token; out-of-vocabulary slots dropped)
+    labels: str = "target_probs"
+    # slot_weights: decay (slot j weighs exp(-(j - 1) / loss_decay), the loss divided by the weights' sum) | dpace
+    # (speculators' D-PACE: slot j weighs sum_{i >= j} prod_{k <= i} s_k, s_k = (1 - dpace_alpha) exp(-CE_k) +
+    # dpace_alpha, detached: slots the draft already gets right pass weight to later ones; divided by the slot count)
+    slot_weights: str = "decay"
+    loss_decay: float = 4.0  # slot_weights decay: slot j's weight is exp(-(j - 1) / loss_decay)
+    dpace_alpha: float = 0.5  # slot_weights dpace: the confidence floor alpha (speculators' default)
+    optimizer: str = "adamw"  # adamw | muon: Muon on fc and the layers' weight matrices, AdamW on the rest (train/muon.py)
+    lr_schedule: str = "cosine"  # cosine | linear (warmup, then linear to 0: speculators')
     eval_anchors: int = 64  # held-out anchors per row, evenly spaced over the valid ones
 
 
@@ -79,6 +100,14 @@ def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
     if cfg.anchors_per_row < 1 or cfg.eval_anchors < 1:
         raise ConfigError("anchors_per_row and eval_anchors must be >= 1")
     check_number(cfg, "loss_decay", 0, above=True)
+    check_number(cfg, "init_std", 0)
+    for name, allowed in (("mask_input", ("trained", "target_row")), ("labels", LABELS),
+                          ("slot_weights", ("decay", "dpace")), ("optimizer", ("adamw", "muon")),
+                          ("lr_schedule", ("cosine", "linear"))):
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be {' or '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if not 0 <= cfg.dpace_alpha <= 1:
+        raise ConfigError(f"dpace_alpha must be in [0, 1], got {cfg.dpace_alpha}")
     check_number(cfg, "draft_vocab_size", 0)
     check_number(cfg, "mask_token_id", 0, unset=-1, unset_means="the lowest token id no training row contains")
     return cfg
@@ -111,7 +140,7 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     supervised slot), Bk = block_size, Q = K * Bk:
 
     tokens [B, Q] (anchor then mask tokens per block), positions [B, Q], mask bool [B, 1, Q, T + Q] (a block sees the
-    positions < its anchor of its own row and its whole block), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
+    positions < its anchor of its own row and its whole block, with block_causal its slots up to the query's), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
     supervised [B, K, Bk - 1] (the target wrote x_{p+j}), label_pos [B, K, Bk - 1] (p + j, clamped into the row).
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()
@@ -137,6 +166,8 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     ctx_ok = torch.arange(T, device=device)[None, None, :] < anchor_pos[:, :, None]  # [B, K, T]
     block_id = torch.arange(K * Bk, device=device) // Bk
     own = block_id[:, None] == block_id[None, :]  # [Q, Q]
+    if cfg.block_causal:  # slot j sees slots 0..j of its block
+        own = own & torch.ones_like(own).tril()
     mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1), own[None].expand(B, -1, -1)], dim=-1)  # [B, Q, T + Q]
     return {"tokens": tokens.view(B, K * Bk), "positions": positions.view(B, K * Bk), "mask": mask[:, None],
             "labels": labels, "supervised": supervised, "label_pos": label_pos}
@@ -167,27 +198,36 @@ class BlockDraft(nn.Module):
 @torch.no_grad()
 def prepare_batch(batch: dict, source: FeatureSource, target, draft: DFlashDraft, scored: torch.Tensor,
                   cfg: DFlashTrainConfig, step: int | None, anchors: int) -> dict:
-    """Target-side tensors of one micro-batch (no gradient): the blocks; `draft_labels` [B, K, Bk-1] (indices into
-    the draft vocabulary) and `in_vocab`; the slots' weights [B, K, Bk-1] (decay x supervised x in the draft
-    vocabulary); at the N weighted slots the draft labels [N] and, with soft labels, the target's probs [N, Vd]
-    (its softmax over the draft vocabulary, `scored` = those rows of its lm_head [Vd, h])."""
+    """Target-side tensors of one micro-batch (no gradient): the blocks; `draft_labels` [B, K, Bk-1] (the data
+    tokens as indices into the draft vocabulary) and `in_vocab`; `selected` [B, K, Bk-1], the slots the loss sees
+    (supervised; in the draft vocabulary unless labels target_argmax); their base weights `weights` [B, K, Bk-1]
+    (slot_weights decay: the decay, dpace: 1, times selected); at the N selected slots the labels `target_labels` [N]
+    (draft-vocabulary indices: the data token's, or with target_argmax the target's argmax) and, with labels
+    target_probs, the target's probs [N, Vd] (its softmax over the draft vocabulary, `scored` = those rows of its
+    lm_head [Vd, h])."""
     taps, final = source.batch(batch)
     blocks = block_inputs(batch, cfg, draft.config.mask_token_id, step, anchors)
     draft_labels, in_vocab = draft.to_draft_labels(blocks["labels"])
-    sel = blocks["supervised"] & in_vocab
+    sel = blocks["supervised"] & in_vocab if cfg.labels != "target_argmax" else blocks["supervised"]
     Bk = cfg.block_size
-    decay = torch.exp(-torch.arange(Bk - 1, device=taps.device, dtype=torch.float32) / cfg.loss_decay)
+    if cfg.slot_weights == "decay":
+        base = torch.exp(-torch.arange(Bk - 1, device=taps.device, dtype=torch.float32) / cfg.loss_decay)
+    else:  # dpace: the weights need the draft's CE (block_loss); the loss is divided by the selected slots' count
+        base = torch.ones(Bk - 1, device=taps.device)
     B = taps.shape[0]
     rows = torch.arange(B, device=taps.device)[:, None, None].expand_as(sel)[sel]
     before = (blocks["label_pos"] - 1)[sel]  # the target's distribution for x_{p+j} comes from its logits at p+j-1
-    probs = None
-    if cfg.soft_labels:
+    probs, target_labels = None, draft_labels[sel]
+    if cfg.labels != "data":
         states = final[rows, before]  # [N, h]
-        probs = torch.cat([torch.softmax((part @ scored.t()).float(), -1) for part in states.split(2048)]) \
-            if states.shape[0] else states.new_zeros(0, scored.shape[0]).float()
+        parts = [(part @ scored.t()).float() for part in states.split(2048)]  # [n, Vd] each
+        if cfg.labels == "target_probs":
+            probs = torch.cat([torch.softmax(p, -1) for p in parts]) if parts else states.new_zeros(0, scored.shape[0]).float()
+        elif parts:
+            target_labels = torch.cat([p.argmax(-1) for p in parts])
     return {"taps": taps, "embeds": target.get_input_embeddings()(blocks["tokens"]), **blocks,
-            "draft_labels": draft_labels, "in_vocab": in_vocab, "selected": sel, "weights": sel.float() * decay,
-            "target_labels": draft_labels[sel], "probs": probs}
+            "draft_labels": draft_labels, "in_vocab": in_vocab, "selected": sel, "weights": sel.float() * base,
+            "target_labels": target_labels, "probs": probs}
 
 
 def slot_outputs(model, prep: dict) -> torch.Tensor:
@@ -197,15 +237,29 @@ def slot_outputs(model, prep: dict) -> torch.Tensor:
     return out.view(B, K, S + 1, -1)[:, :, 1:]
 
 
-def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, soft: bool) -> tuple[torch.Tensor, dict]:
-    """logits [N, Vd] at the weighted slots -> sum of weight * CE / denom (the global weight sum).
-    -> (loss, sums: ce, hits and slots per block slot [Bk-1])."""
+def dpace_weights(ce: torch.Tensor, selected: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE slot weights (speculators' losses/utils.py), per block: ce [N] at the selected slots of selected
+    [B, K, S] -> [B, K, S] (0 off the selected slots), detached. With q_k = exp(-CE_k) (the draft's probability of a
+    hard label), s_k = (1 - alpha) q_k + alpha (1 off the selected slots) and P_k = prod_{i <= k} s_i:
+    w_k = sum_{i >= k, i selected} P_i at a selected slot k: a slot weighs its own survival and every later one's."""
+    full = torch.zeros(selected.shape, dtype=torch.float32, device=ce.device)
+    full[selected] = ce.detach().float()
+    s = torch.where(selected, (1 - alpha) * torch.exp(-full) + alpha, torch.ones_like(full))
+    survival = s.cumprod(-1) * selected
+    return survival.flip(-1).cumsum(-1).flip(-1) * selected
+
+
+def block_loss(logits: torch.Tensor, prep: dict, denom: torch.Tensor, cfg: DFlashTrainConfig) -> tuple[torch.Tensor, dict]:
+    """logits [N, Vd] at the selected slots -> sum of weight * CE / denom (the global sum of the base weights: the
+    decay's, or the selected slots' count for dpace). -> (loss, sums: ce, hits and slots per block slot [Bk-1])."""
     w = prep["weights"][prep["selected"]]  # [N]
     logp = F.log_softmax(logits.float(), -1)
-    if soft:
+    if cfg.labels == "target_probs":
         ce = -(prep["probs"] * logp).sum(-1)
     else:
         ce = -logp.gather(-1, prep["target_labels"][:, None]).squeeze(-1)
+    if cfg.slot_weights == "dpace":
+        w = w * dpace_weights(ce, prep["selected"], cfg.dpace_alpha)[prep["selected"]]
     loss = (w * ce).sum() / denom.clamp(min=1e-9)
     with torch.no_grad():
         slot = torch.nonzero(prep["selected"])[:, 2]  # [N] slot index j - 1
@@ -226,7 +280,7 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
     draft = model.draft
 
     def score(batch: dict) -> SlotScores:
-        prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, soft_labels=False), None,
+        prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, labels="data"), None,
                              cfg.eval_anchors)
         logits = draft.logits(slot_outputs(model, prep)[0], scored).float()  # [K, S, Vd]
         sup = prep["supervised"][0]  # [K, S]
@@ -253,16 +307,27 @@ def choose_mask_token(rows: list[dict], vocab_size: int) -> int:
 
 
 @torch.no_grad()
-def init_from_target(draft: DFlashDraft, target, layers: bool) -> list[str]:
-    """mask_embedding <- a random vector at the scale of the target's embeddings (not the mask token's own row or
-    the embeddings' mean, which through a tied lm_head make every slot guess one token; not zero, where the layer
-    norm's gradient is 1/sqrt(eps)); with `layers`, draft layer i <- the target's layer L - num_layers + i wherever
-    names and shapes match (train/from_target.py). Returns the names set. The draft's `norm` stays at ones: started
-    from the target's final norm, its random outputs give logits several times the target's scale and it learns far
-    slower (docs/measured.md)."""
+def init_from_target(draft: DFlashDraft, target, layers: bool, mask_input: str = "trained", init_std: float = 0.0) -> list[str]:
+    """With init_std > 0, fc and every draft-layer Linear <- N(0, init_std) (speculators' initialisation).
+    mask_embedding <- mask_input trained: a random vector at the scale of the target's embeddings (not zero, where
+    the layer norm's gradient is 1/sqrt(eps)); target_row: the target's own embedding row of the mask token, frozen
+    (requires_grad False: the optimizer never sees it). With `layers`, draft layer i <- the target's layer
+    L - num_layers + i wherever names and shapes match (train/from_target.py). Returns the names set. The draft's `norm` stays at ones:
+    started from the target's final norm, its random outputs give logits several times the target's scale and it
+    learns far slower (docs/measured.md)."""
+    done = []
+    if init_std > 0:
+        for name, module in draft.named_modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, init_std)
+                done.append(f"{name}.weight")
     embeddings = target.get_input_embeddings().weight
-    draft.mask_embedding.copy_(torch.randn(draft.config.hidden_size) * embeddings.float().std())
-    done = ["mask_embedding"]
+    if mask_input == "target_row":
+        draft.mask_embedding.copy_(embeddings[draft.config.mask_token_id].float())
+        draft.mask_embedding.requires_grad_(False)
+    else:
+        draft.mask_embedding.copy_(torch.randn(draft.config.hidden_size) * embeddings.float().std())
+    done.append("mask_embedding")
     if layers:
         done += copy_last_layers(draft.layers, target, draft.config.hidden_size)
     return done
@@ -270,10 +335,16 @@ def init_from_target(draft: DFlashDraft, target, layers: bool) -> list[str]:
 
 def build_draft(run: Run, cfg: DFlashTrainConfig) -> DFlashDraft:
     target, info = run.target, run.info
-    mask_token_id = cfg.mask_token_id if cfg.mask_token_id >= 0 else choose_mask_token(run.train_rows, info.vocab_size)
+    if cfg.mask_token_id >= 0:
+        mask_token_id = cfg.mask_token_id
+    elif cfg.mask_input == "target_row":  # a real token's row, as speculators: the pad token (else 0)
+        mask_token_id = run.pad_id
+    else:
+        mask_token_id = choose_mask_token(run.train_rows, info.vocab_size)
     vocab = min(cfg.draft_vocab_size, info.vocab_size)
     try:
-        config = dflash_config_for(target, cfg.num_layers, cfg.block_size, mask_token_id, cfg.feature_layers, vocab, info)
+        config = dflash_config_for(target, cfg.num_layers, cfg.block_size, mask_token_id, cfg.feature_layers, vocab, info,
+                                   block_causal=cfg.block_causal)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     L = info.num_hidden_layers
@@ -282,8 +353,9 @@ def build_draft(run: Run, cfg: DFlashTrainConfig) -> DFlashDraft:
     draft = DFlashDraft(config)
     if vocab:
         draft.set_draft_vocab(most_frequent_tokens(supervised_token_counts(run.train_rows, info.vocab_size), vocab))
-    initialised = init_from_target(draft, target, cfg.init_layers_from_target)
-    run.accelerator.print(f"DFlash draft: {cfg.num_layers} layers, block {cfg.block_size}, mask token {mask_token_id}, "
+    initialised = init_from_target(draft, target, cfg.init_layers_from_target, cfg.mask_input, cfg.init_std)
+    run.accelerator.print(f"DFlash draft: {cfg.num_layers} layers, block {cfg.block_size}"
+                          f"{' (causal)' if cfg.block_causal else ''}, mask token {mask_token_id} ({cfg.mask_input}), "
                           f"target layers {config.feature_layers}; initialised from the target: {len(initialised)} tensors")
     return draft.to(run.accelerator.device)
 
@@ -318,14 +390,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
             logits = unwrapped.logits(slot_outputs(model, prep)[prep["selected"]], scored)  # [N, Vd]
-            return block_loss(logits, prep, denom, cfg.soft_labels)
+            return block_loss(logits, prep, denom, cfg)
 
         sums = accumulate(accelerator, model, preps, micro_loss)
         sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
         acc = sums["hits"] / sums["slots"].clamp(min=1)
         return {"loss": float(sums["ce"] / denom.clamp(min=1e-9)), "acc": [round(float(a), 4) for a in acc]}
 
-    trained = train(run, BlockDraft(draft), [{"params": list(draft.parameters())}], step_fn)
+    groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in param_groups(draft, cfg.optimizer)]
+    trained = train(run, BlockDraft(draft), groups, step_fn, schedule=cfg.lr_schedule)
     if not trained.finished:
         return {"step": trained.step}
     # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors

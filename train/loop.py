@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from headstart.heads.directory import push_heads_dir
 from headstart.heads.export import ExportError, export_and_push
@@ -235,9 +235,10 @@ class Trained:
     finished: bool  # False: stopped early on purpose (stop_after_steps), the run is ended, no heads directory
 
 
-def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: tuple[float, float] = (0.9, 0.999)) -> Trained:
-    """AdamW (Muon for groups marked "muon", train/muon.py) + cosine schedule with warmup over `param_groups`,
-    resumed from the newest checkpoint with --resume.
+def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: tuple[float, float] = (0.9, 0.999),
+          schedule: str = "cosine") -> Trained:
+    """AdamW (Muon for groups marked "muon", train/muon.py) + a cosine (or with schedule "linear" linear to 0)
+    schedule with warmup over `param_groups`, resumed from the newest checkpoint with --resume.
 
     step_fn(model, micro, step) runs one optimizer step's forwards and backwards (see `accumulate`) on `micro` (the
     gradient_accumulation_steps batches of this process, on its device) and returns the step's log fields (global
@@ -261,7 +262,8 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
     else:
         optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
                                       fused=accelerator.device.type in ("cpu", "cuda"))
-    scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
+    make_schedule = get_linear_schedule_with_warmup if schedule == "linear" else get_cosine_schedule_with_warmup
+    scheduler = make_schedule(optimizer, math.ceil(cfg.warmup_ratio * total_steps), total_steps)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:  # no dataloader is prepared to tell it
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.per_device_batch_size
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler, stepped by us, is saved as JSON
