@@ -16,9 +16,10 @@ What one optimizer step sees (heads/dflash.py has the draft): per row, `anchors_
 whose token and next token the target wrote. Each anchor's block [x_p, mask x (block_size - 1)] sits at positions
 p .. p + block_size - 1 and sees the fused target features of positions < p (strictly: the anchor's own features
 are not known at inference) and its own block; all of a row's blocks run in one draft forward. Slot j predicts
-x_{p+j}, supervised where the target wrote it, weighted exp(-(j - 1) / loss_decay): soft cross-entropy against the
-target's distribution there (its logits at p + j - 1; `soft_labels`) or cross-entropy on the data token. The loss
-is a weighted mean over the whole global batch, so N processes x batch b give 1 process x batch N*b.
+x_{p+j}, supervised where the target wrote it, weighted by `slot_weights` (exp(-(j - 1) / loss_decay), or D-PACE):
+soft cross-entropy against the target's distribution there (its logits at p + j - 1), cross-entropy on its argmax
+in the draft vocabulary, or on the data token (`labels`). The loss is a weighted mean over the whole global batch,
+so N processes x batch b give 1 process x batch N*b.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors), DIR/checkpoints,
 DIR/train_log.jsonl.
