@@ -13,6 +13,7 @@ from typing import Any
 
 from headstart.heads.dflash import DFLASH
 from headstart.heads.draft_method import DraftMethod
+from headstart.heads.dspark import DSPARK
 from headstart.heads.eagle import EAGLE, EAGLE3
 from headstart.heads.medusa import MEDUSA
 
@@ -48,5 +49,5 @@ def method_of(config_or_name: Any) -> DraftMethod:
     return method
 
 
-for _builtin in (MEDUSA, EAGLE, EAGLE3, DFLASH):
+for _builtin in (MEDUSA, EAGLE, EAGLE3, DFLASH, DSPARK):
     register(_builtin)

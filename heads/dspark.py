@@ -1,0 +1,134 @@
+"""DSpark draft (DeepSeek's DeepSpec): a DFlash block drafter (heads/dflash.py, unchanged) plus two small heads.
+
+- Markov head (vLLM's "vanilla" type): a rank-r bias on each slot's logits from the token before the slot,
+  bias(prev) = markov_w2 . markov_w1[prev] [Vd], with markov_w1 [V, r] indexed by the previous token's *target* id and
+  markov_w2 [Vd, r] over the scored (draft) vocabulary. Slot j's logits are DFlash's plus bias(x_{p+j-1}): the
+  backbone still runs once per block, only the bias is sequential (slot 1's prev is the anchor, slot j's the token
+  drafted at slot j - 1).
+- Confidence head: proj = Linear(h + r, 1) over cat(norm(out_j), markov_w1[prev_j]) (h alone without
+  `confidence_with_markov`); sigmoid(proj) estimates P(slot j's drafted token is accepted | slots before it were).
+  The running product along the block is the chance the prefix survives; inference/dspark.py cuts the block there.
+
+The layout is DFlash's fill-in one (vLLM `sample_from_anchor: false`): block [x_p, mask x (B - 1)], slot j predicts
+x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `markov_head.markov_w1.weight`,
+`markov_head.markov_w2.weight`, `confidence_head.proj.{weight,bias}`. `dspark_export` writes that layout.
+
+    draft = DSparkDraft(dspark_config_for(model, markov_rank=16, num_layers=2, block_size=8, mask_token_id=m))
+    logits = draft.corrected_logits(out, scored, prev)   # out [.., h] (draft forward), prev [..] target ids
+    conf = draft.confidence_logit(draft.norm(out), prev)  # [..] logits of P(accepted)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headstart.heads.dflash import DFLASH, DFlashConfig, DFlashDraft, dflash_config_for
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    method: str = "dspark"
+    markov_rank: int = 64  # r of the Markov head's factors (vLLM's markov_rank; the references use 256)
+    confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
+
+    def __post_init__(self):
+        if self.method != "dspark":
+            raise ValueError(f"a DSpark config has method 'dspark', got {self.method!r}")
+        if self.markov_rank < 1:
+            raise ValueError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        backbone = {f.name: getattr(self, f.name) for f in dataclasses.fields(DFlashConfig)}
+        DFlashConfig(**dict(backbone, method="dflash"))  # the backbone's own checks
+
+
+def dspark_config_for(model, markov_rank: int = 64, confidence_with_markov: bool = True, **dflash_args) -> DSparkConfig:
+    """A DSparkConfig: DFlash's for `model` (heads/dflash.py dflash_config_for's arguments) plus the two heads."""
+    backbone = dataclasses.asdict(dflash_config_for(model, **dflash_args))
+    return DSparkConfig(**dict(backbone, method="dspark", markov_rank=markov_rank,
+                               confidence_with_markov=confidence_with_markov))
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r], by the previous token's target id
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)  # [Vd, r]
+        nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' init; markov_w2 keeps nn.Linear's
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, in_features: int):
+        super().__init__()
+        self.proj = nn.Linear(in_features, 1)
+
+
+class DSparkDraft(DFlashDraft):
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        h, r = config.hidden_size, config.markov_rank
+        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size or config.vocab_size, r)
+        self.confidence_head = ConfidenceHead(h + r if config.confidence_with_markov else h)
+
+    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [...] target token ids -> [..., Vd] logit bias."""
+        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+
+    def corrected_logits(self, out: torch.Tensor, scored_weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """out [..., h] (the draft's output before `norm`), prev [...] -> DFlash's logits + the Markov bias [..., Vd]."""
+        return self.logits(out, scored_weight) + self.markov_bias(prev).to(out.dtype)
+
+    def confidence_logit(self, normed: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """normed [..., h] (norm(out): what the lm_head reads), prev [...] -> [...] logit of P(slot accepted)."""
+        x = normed
+        if self.config.confidence_with_markov:
+            x = torch.cat([normed, self.markov_head.markov_w1(prev).to(normed.dtype)], dim=-1)
+        return self.confidence_head.proj(x).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------- export
+
+
+def dspark_export(heads: DSparkDraft, request) -> tuple[dict, dict, dict]:
+    """vLLM 0.32 `method: dspark` (Qwen3DSparkModel, native layout) -> (engine config, tensors, notes): DFlash's
+    export (heads/export_formats.py dflash_export: layers, fc in ascending tap order, draft-vocabulary lm_head and d2t)
+    plus the Markov and confidence tensors and keys. vLLM's DSpark reads no mask_embedding (file or tensor): the mask
+    slots embed `embed_tokens[mask_token_id]`, so a trained mask vector ships as `embed_tokens.weight` (the target's
+    embedding with that row replaced); a draft trained on the target's own row (mask_input target_row) ships none."""
+    from headstart.heads.export_formats import MASK_EMBEDDING_FILE, _target_weights, dflash_export
+
+    cfg = heads.config
+    config, tensors, notes = dflash_export(heads, request)
+    del tensors[MASK_EMBEDDING_FILE]
+    embeddings, _ = _target_weights(heads, request.target)
+    mask = heads.mask_embedding.detach().cpu().float()
+    if not torch.equal(mask, embeddings[cfg.mask_token_id]):
+        embed = embeddings.clone()
+        embed[cfg.mask_token_id] = mask
+        tensors["embed_tokens.weight"] = embed.to(tensors["fc.weight"].dtype)
+        notes["embed_tokens"] = (f"the target's embedding with row {cfg.mask_token_id} (the mask token) replaced by the "
+                                 "trained mask vector: vLLM's DSpark embeds the mask slots by that row")
+    config.update(architectures=["Qwen3DSparkModel"], eagle_aux_hidden_state_layer_ids=sorted(cfg.feature_layers),
+                  mask_token_id=cfg.mask_token_id, block_size=cfg.block_size, sample_from_anchor=False,
+                  markov_rank=cfg.markov_rank, markov_head_type="vanilla", enable_confidence_head=True,
+                  confidence_head_with_markov=cfg.confidence_with_markov)
+    notes["block"] = (f"serve with num_speculative_tokens {request.k} = block_size - 1 (fill-in layout, "
+                      "sample_from_anchor false; vLLM's default is block_size, another block than was trained)")
+    notes["runner"] = ("vLLM 0.32 runs dspark in Model Runner V2 only (GPU, Triton); its CPU build refuses it. "
+                       "'enable_adaptive_verification': true lets the confidence head cut the drafts (CUDA graphs)")
+    return config, tensors, notes
+
+
+# The one declaration of DSpark (heads/draft_method.py), registered in heads/methods.py: DFlash's, with its own
+# config, module, proposer, trainer and vLLM writer.
+DSPARK = dataclasses.replace(
+    DFLASH, title="a DSpark draft", names=("dspark",), config_class=DSparkConfig, module_class=DSparkDraft,
+    proposer="headstart.inference.dspark:dspark_proposer", trainer="headstart.train.dspark",
+    formats=("vllm",),
+    refusals={fmt: ("headstart exports DSpark drafts for vLLM only (method: dspark); {fmt} is not checked against a "
+                    "loader: use --format vllm") for fmt in ("sglang", "speculators", "llamacpp")},
+    engine_export="headstart.heads.dspark:dspark_export", gguf_export=None,
+    bench_info=lambda config: {"method": "dspark", "block_size": config.block_size, "markov_rank": config.markov_rank},
+)

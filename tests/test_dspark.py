@@ -1,0 +1,324 @@
+"""DSpark (heads/dspark.py, train/dspark.py, inference/dspark.py) on tiny random targets: training and inference
+compute the same logits and confidences, the chain is vLLM's sequential loop, greedy output equals plain decoding
+(fixed trees, chains, adaptive with the confidence cut), sampling is lossless (chi-square), the cut's choice, the
+trainer learns and writes metrics, and the vLLM `method: dspark` export meets the loader's contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import chi_square_pvalue, exact_first_three, tiny_model
+from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-layer target, its rows)
+from transformers import DynamicCache
+
+from headstart.heads.dspark import DSPARK, DSparkConfig, DSparkDraft, dspark_config_for, dspark_export
+from headstart.heads.export_formats import ExportRequest
+from headstart.heads.load import load_heads
+from headstart.heads.methods import method_of
+from headstart.heads.target import load_target, target_info
+from headstart.inference.adapt import StepCost
+from headstart.inference.decode import SamplingConfig, speculative_generate
+from headstart.inference.dspark import DSparkProposer
+from headstart.inference.forward import target_forward
+from headstart.inference.speculator import Speculator
+from headstart.inference.tree import tree_from_choices
+from headstart.train.config import ConfigError, parse_config
+from headstart.train.dflash import BlockDraft
+from headstart.train.dspark import DSparkTrainConfig, check_config, main, previous_tokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+CHAIN3 = [[0], [0, 0], [0, 0, 0]]
+TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+
+
+def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0, rank: int = 8,
+               confidence_bias: float | None = None) -> DSparkDraft:
+    """A random DSpark draft whose Markov bias is large enough to change rankings."""
+    torch.manual_seed(seed)
+    vocab = model.config.vocab_size
+    draft = DSparkDraft(dspark_config_for(model, markov_rank=rank, num_layers=2, block_size=block_size,
+                                          mask_token_id=vocab - 1, feature_layers=[1, 3], draft_vocab_size=draft_vocab,
+                                          target_info=target_info("tiny", model)))
+    if draft_vocab:
+        draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
+    with torch.no_grad():
+        draft.norm.weight.copy_(model.model.norm.weight)
+        draft.mask_embedding.copy_(model.get_input_embeddings().weight[3])
+        draft.markov_head.markov_w1.weight.normal_(0, 1.0)
+        if confidence_bias is not None:  # a constant confidence sigmoid(confidence_bias)
+            draft.confidence_head.proj.weight.zero_()
+            draft.confidence_head.proj.bias.fill_(confidence_bias)
+    return draft.eval()
+
+
+def no_eos(model):
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def project_of(model, draft):
+    rows = draft.draft_lm_head_weight(model.lm_head.weight)
+    return lambda x: x @ rows.t()
+
+
+def chain_proposal(model, draft, prompt: torch.Tensor, depth: int):
+    """The proposer's chain after `prompt` (its last token the root) and the target's taps of the positions before."""
+    proposer = DSparkProposer(draft, model, tree_from_choices([[0] * d for d in range(1, depth + 1)]),
+                              project_of(model, draft))
+    _, _, taps = target_forward(model, prompt[None, :-1], DynamicCache(), feature_layers=[1, 3])
+    from headstart.inference.tree import DraftInput
+    tree, tokens = proposer(DraftInput(hidden=torch.zeros(1), root=int(prompt[-1]), context=prompt.tolist(),
+                                       features=taps))
+    return proposer, tokens, taps
+
+
+# ----------------------------------------------------------------------------------------------------
+# the heads and the method
+
+
+def test_config_checks_and_registration():
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=16)
+    cfg = dspark_config_for(model, markov_rank=4, mask_token_id=15, feature_layers=[1, 3])
+    assert cfg.method == "dspark" and method_of(cfg) is DSPARK and method_of("dflash").names == ("dflash",)
+    with pytest.raises(ValueError, match="markov_rank"):
+        DSparkConfig(**dict(cfg.__dict__, markov_rank=0))
+    with pytest.raises(ValueError, match="mask_token_id"):  # DFlash's own checks still apply
+        DSparkConfig(**dict(cfg.__dict__, mask_token_id=16))
+    draft = DSparkDraft(dspark_config_for(model, markov_rank=4, mask_token_id=15, feature_layers=[1, 3],
+                                          draft_vocab_size=8))
+    shapes = {n: tuple(t.shape) for n, t in draft.state_dict().items() if n.startswith(("markov", "confidence"))}
+    assert shapes == {"markov_head.markov_w1.weight": (16, 4), "markov_head.markov_w2.weight": (8, 4),
+                      "confidence_head.proj.weight": (1, 64 + 4), "confidence_head.proj.bias": (1,)}
+    assert DSPARK.max_depth(cfg) == DSPARK.engine_chain(cfg) == 7 and DSPARK.formats == ("vllm",)
+    assert "llamacpp" in DSPARK.refusal("llamacpp")
+
+
+def test_previous_tokens_are_the_anchor_then_the_labels():
+    prep = {"tokens": torch.tensor([[7, 1, 1, 1, 8, 1, 1, 1]]), "labels": torch.tensor([[[2, 3, 4], [5, 6, 0]]])}
+    assert previous_tokens(prep).tolist() == [[[7, 2, 3], [8, 5, 6]]]
+
+
+def test_training_logits_equal_the_proposer_chain_and_vllm_loop():
+    """The teacher-forced training path (BlockDraft, Markov-corrected logits, confidence) with prev = the drafted
+    tokens gives the proposer's chain and confidences; a re-implementation of vLLM's sequential DSpark loop (argmax,
+    d2t, prev = the drafted target id) over the exported tensors gives the same chain."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    draft = make_draft(model, block_size=5, draft_vocab=16)
+    prompt = torch.randint(0, 31, (9,), generator=torch.Generator().manual_seed(4))
+    proposer, tokens, taps = chain_proposal(model, draft, prompt, 4)
+    drafted = tokens[1:].tolist()
+    n = prompt.numel() - 1  # the root's position: the context is 0..n-1
+    block = torch.tensor([[int(prompt[-1])] + [31] * 4])
+    with torch.no_grad():
+        out = BlockDraft(draft)(taps[None], block, model.get_input_embeddings()(block), torch.arange(n, n + 5)[None],
+                                None)[0, 1:]  # [4, h]
+        prev = torch.tensor([int(prompt[-1])] + drafted[:-1])
+        scored = draft.draft_lm_head_weight(model.lm_head.weight)
+        logits = draft.corrected_logits(out, scored, prev)
+        conf = torch.sigmoid(draft.confidence_logit(draft.norm(out), prev))
+    assert draft.to_target_ids(logits.argmax(-1)).tolist() == drafted
+    torch.testing.assert_close(conf, torch.tensor(proposer.confidence), rtol=1e-5, atol=1e-6)
+    # vLLM's loop (spec_decode/dspark/speculator.py _sample_sequential) over the export's tensors
+    _, tensors, _ = dspark_export(draft, ExportRequest("vllm", model, 4))
+    w1, w2, d2t = (tensors[k] for k in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "d2t"))
+    base = draft.norm(out) @ tensors["lm_head.weight"].t()
+    vllm_prev, vllm_tokens = int(prompt[-1]), []
+    for i in range(4):
+        d = int((base[i] + w2 @ w1[vllm_prev]).argmax())
+        vllm_prev = d + int(d2t[d])
+        vllm_tokens.append(vllm_prev)
+    assert vllm_tokens == drafted
+
+
+def test_markov_head_changes_the_tree_by_parent():
+    """Children of different parents at one depth are ranked from different biases: base + bias(parent token)."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    draft = make_draft(model, block_size=4)
+    proposer = DSparkProposer(draft, model, tree_from_choices(TREE), project_of(model, draft))
+    base = torch.randn(3, 32)
+    tree = proposer.tree
+    tokens = proposer.fill(tree, 7, base)
+    for node in range(1, tree.size):
+        parent = tree.parents[node]
+        with torch.no_grad():
+            scores = base[tree.depths[parent]] + draft.markov_bias(torch.tensor(tokens[parent]))
+        assert tokens[node] == int(scores.topk(tree.ranks[node] + 1).indices[-1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# decoding
+
+
+@pytest.mark.parametrize("tree", [CHAIN3, TREE])
+def test_greedy_output_equals_generate(tree):
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
+    spec = Speculator(model, make_draft(model), tree=tree, cpu_linears=False)
+    gen = torch.Generator().manual_seed(0)
+    accepted = 0
+    for i in range(5):
+        prompt = torch.randint(0, 15, (1, 5 + i), generator=gen)
+        ref = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
+        for adaptive, lookup in ((False, False), (True, False), (True, True)):
+            out = spec.generate(prompt, 40, stop_token_ids=[], adaptive=adaptive, lookup=lookup)
+            assert out.tokens == ref, (adaptive, lookup)
+            accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+    assert accepted > 20
+
+
+@pytest.mark.parametrize("bias,drafts", [(-30.0, False), (30.0, True)])
+def test_confidence_cut_is_lossless_at_both_ends(bias, drafts):
+    """Confidence 0: the adaptive cut verifies no drafted token (every step plain); confidence 1: the whole tree.
+    The output is plain greedy's either way."""
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
+    spec = Speculator(model, make_draft(model, confidence_bias=bias), tree=CHAIN3, cpu_linears=False)
+    prompt = torch.randint(0, 15, (1, 7), generator=torch.Generator().manual_seed(1))
+    ref = model.generate(prompt, max_new_tokens=30, do_sample=False)[0, 7:].tolist()
+    out = spec.generate(prompt, 30, stop_token_ids=[], adaptive=True, lookup=False)
+    assert out.tokens == ref
+    sizes = set(out.stats.step_sizes)
+    assert (sizes == {1}) if not drafts else (max(sizes) > 1)
+
+
+def test_cut_depth_is_the_brute_force_best_rate():
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3)
+    draft = make_draft(model, block_size=5)
+    cost = StepCost({1: 1.0, 2: 1.05, 3: 1.3, 4: 1.4, 5: 2.0}, {0: 0.1})
+    proposer = DSparkProposer(draft, model, tree_from_choices(CHAIN3), project_of(model, draft), step_cost=cost)
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]])  # nodes to depth n: 1, 3, 4, 5, 6
+    nodes = [1, 3, 4, 5, 6]
+    for conf in ([0.9, 0.8, 0.7, 0.2], [0.1, 0.9, 0.9, 0.9], [0.99, 0.99, 0.99, 0.99], [0.5, 0.5, 0.5, 0.5]):
+        rates, survival, expected = [], 1.0, 1.0
+        for n in range(5):
+            if n:
+                survival *= conf[n - 1]
+                expected += survival
+            rates.append(expected / (cost.ratio(nodes[n]) + 0.1))
+        assert proposer.cut_depth(tree, conf) == max(range(5), key=lambda n: (rates[n], -n))
+    cut, tokens = proposer.cut_tree(tree, list(range(10, 16)), 2)
+    assert cut.parents == [-1, 0, 0, 1] and cut.ranks == [0, 0, 1, 0] and tokens == [10, 11, 12, 13]
+
+
+def test_sampling_matches_the_target_distribution():
+    """Temperature 1 on a vocab-8 target, fixed tree and adaptive (with the cut): the first three tokens follow the
+    target's exact joint distribution."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    spec = Speculator(model, make_draft(model), tree=TREE, cpu_linears=False)
+    prompt = torch.tensor([1, 5, 3, 6])
+    exact = exact_first_three(model, prompt)
+    for adaptive in (False, True):
+        n, counts, accepted = 1500, torch.zeros(8, 8, 8), 0
+        for s in range(n):
+            out = spec.generate(prompt, 3, temperature=1.0, seed=s, stop_token_ids=[], adaptive=adaptive,
+                                lookup=False)
+            counts[tuple(out.tokens)] += 1
+            accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
+        assert accepted > n // 4, adaptive
+        pvalue = chi_square_pvalue(counts, exact)
+        assert pvalue > 1e-3, f"adaptive {adaptive}: chi-square p = {pvalue:.3g}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# training
+
+
+def train_args(target_dir, data_dir, out, *extra) -> list[str]:
+    return ["--target", str(target_dir), "--data_dir", str(data_dir), "--output_dir", str(out),
+            "--per_device_batch_size", "2", "--eval_rows", "4", "--learning_rate", "3e-3", "--seed", "0",
+            "--feature_layers", "1", "2", "3", "--block_size", "4", "--anchors_per_row", "4",
+            "--draft_vocab_size", "64", "--markov_rank", "8"] + [str(e) for e in extra]
+
+
+def test_train_learns_and_writes_calibration(llama_dir, sd_dir, tmp_path):
+    metrics = main(train_args(llama_dir, sd_dir, tmp_path, "--num_epochs", "8", "--labels", "data"))
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    steps = [r for r in log if "bce" in r]
+    assert steps[-1]["loss"] < 0.5 * steps[0]["loss"] and steps[-1]["bce"] < steps[0]["bce"]
+    assert len(metrics["top1"]) == 3 and metrics["top1"][0] > 0.5 and 0 < metrics["chain_accepted_tokens"] <= 3
+    assert len(metrics["confidence_by_slot"]) == len(metrics["accepted_by_slot"]) == 3
+    assert all(0 < c < 1 for c in metrics["confidence_by_slot"]) and 0 <= metrics["survival_ece"] <= 1
+    assert 0 < metrics["expected_chain_tokens"] <= 3 and metrics["method"] == "dspark"
+    _, _, info = load_target(str(llama_dir))
+    draft = load_heads(tmp_path / "heads", info)
+    assert isinstance(draft, DSparkDraft) and draft.config.markov_rank == 8 and draft.token_map.numel() == 64
+    assert "DSpark" in (tmp_path / "heads" / "README.md").read_text()
+
+
+def test_recipe_parses_and_bad_configs_fail():
+    cfg = check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml"]))
+    assert cfg.method == "dspark" and cfg.markov_rank == 64 and cfg.block_size == 8
+    for bad in (["--markov_rank", "0"], ["--method", "dflash"], ["--labels", "nope"], ["--block_size", "1"]):
+        with pytest.raises(ConfigError):
+            check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml", *bad]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# export: vLLM 0.32 qwen3_dspark's contract (docs: /work/scratch/s26/dspark-spec.md sections 1.4 and 4.1)
+
+
+@pytest.mark.parametrize("draft_vocab", [0, 16])
+def test_vllm_export_meets_the_loader_contract(draft_vocab):
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    draft = make_draft(model, block_size=5, draft_vocab=draft_vocab, rank=8)
+    config, tensors, notes = dspark_export(draft, ExportRequest("vllm", model, 4))
+    V, h, r = 32, 64, 8
+    Vd = draft_vocab or V
+    assert config["architectures"] == ["Qwen3DSparkModel"] and config["model_type"] == "qwen3"
+    expected = {"eagle_aux_hidden_state_layer_ids": [1, 3], "mask_token_id": 31, "block_size": 5,
+                "sample_from_anchor": False, "markov_rank": r, "markov_head_type": "vanilla",
+                "enable_confidence_head": True, "confidence_head_with_markov": True, "target_hidden_size": h,
+                "num_hidden_layers": 2, "tie_word_embeddings": False}
+    assert {k: config[k] for k in expected} == expected
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2] and config["dflash_config"]["mask_token_id"] == 31
+    assert ("draft_vocab_size" in config) == bool(draft_vocab) and config.get("draft_vocab_size", Vd) == Vd
+    assert tensors["markov_head.markov_w1.weight"].shape == (V, r)  # the full target vocabulary
+    assert tensors["markov_head.markov_w2.weight"].shape == (Vd, r)
+    assert tensors["confidence_head.proj.weight"].shape == (1, h + r)
+    assert tensors["confidence_head.proj.bias"].shape == (1,)
+    assert tensors["confidence_head.proj.weight"].dtype == torch.float32
+    assert not any("mask_embedding" in name for name in tensors) and "token_map" not in tensors
+    assert ({"lm_head.weight", "d2t"} <= tensors.keys()) == bool(draft_vocab)
+    if draft_vocab:
+        assert tensors["lm_head.weight"].shape == (Vd, h) and tensors["d2t"].dtype == torch.int64
+        assert torch.equal(tensors["d2t"] + torch.arange(Vd), draft.token_map)
+    embed = tensors["embed_tokens.weight"]  # the trained mask vector rides in the mask token's row
+    target = model.get_input_embeddings().weight
+    assert torch.equal(embed[31], draft.mask_embedding) and torch.equal(embed[:31], target[:31])
+    assert "num_speculative_tokens 4" in notes["block"] and "V2" in notes["runner"]
+    with torch.no_grad():  # trained on the target's own row: no embedding shipped
+        draft.mask_embedding.copy_(target[31])
+    assert "embed_tokens.weight" not in dspark_export(draft, ExportRequest("vllm", model, 4))[1]
+
+
+def gpu_vllm() -> str | None:
+    """Why the real vLLM DSpark check cannot run here, or None when it can (vLLM 0.32 runs dspark only in Model
+    Runner V2, on a GPU with Triton)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: vLLM 0.32 runs method dspark only in Model Runner V2 (GPU, Triton); its CPU build refuses it"
+    python = os.environ.get("HEADSTART_VLLM_PYTHON", "python")
+    if subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
+        return "vLLM is not installed for HEADSTART_VLLM_PYTHON (or this python)"
+    return None
+
+
+@pytest.mark.skipif(gpu_vllm() is not None, reason=str(gpu_vllm()))
+def test_vllm_loads_the_export_and_greedy_output_is_the_target_s(tmp_path, embedded_target):
+    """GPU lane: vLLM serves a seeded random DSpark export of the embedded target; greedy output with it equals
+    vLLM's without it (inference/vllm_check.py, as tests/test_vllm.py runs DFlash)."""
+    from headstart.heads.export import export_heads
+    from headstart.inference.vllm_check import main as vllm_check
+
+    model, _, info = embedded_target
+    torch.manual_seed(0)
+    draft = DSparkDraft(dspark_config_for(model, markov_rank=16, num_layers=1, block_size=4,
+                                          mask_token_id=model.config.vocab_size - 1, feature_layers=[2, 15, 28],
+                                          target_info=info))
+    draft.save_pretrained(tmp_path / "heads")
+    out = export_heads(tmp_path / "heads", tmp_path / "vllm", "vllm", target=model)
+    assert vllm_check(["run", "--export", str(out)]) == 0

@@ -1,0 +1,230 @@
+"""Train a DSpark draft (heads/dspark.py: a DFlash block drafter + a Markov head + a confidence head) on the target's
+own generations (the target stays frozen).
+
+CPU (2 cores, the embedded SmolLM2-135M; self-distils the recipe's prompts first if data_dir is empty):
+    python train/dspark.py --config recipes/smollm2-135m/dspark.yaml --output_dir runs/dspark-smollm2
+The run (data, schedule, resume, logging, checkpoints, heads directory) is train/loop.py's; blocks, anchors, targets,
+the token loss and its options (labels, slot_weights, optimizer, mask_input...) are train/dflash.py's, unchanged.
+
+What DSpark adds to one block of DFlash's training: slot j's logits are the Markov-corrected ones, DFlash's plus
+markov_bias(x_{p+j-1}), the previous token teacher-forced with the data (slot 1's is the anchor): on the accepted
+prefix, what the draft conditions on at inference. The token loss is DFlash's on those logits (with the default
+labels, soft cross-entropy against the target's distribution: KL up to a constant, speculators' DSpark loss). The
+confidence head learns, by binary cross-entropy with the slots' token-loss weights (`confidence_weight` x), whether
+the slot's Markov-corrected argmax is the data token: the event that verifies a deterministic draft token. On
+greedy self-distilled data (headstart's default) the data token is the target's greedy choice, so this is exactly
+greedy acceptance, and the running product along the block is the accepted-prefix indicator of a greedy chain; on
+sampled data it is an unbiased draw of the target's probability of the drafted token, its acceptance under
+sampling. (DeepSpec and speculators use 1 - TV(q, p), the acceptance of a token *sampled* from the draft, which
+headstart never drafts.)
+
+metrics.json: DFlash's (per block slot top1, top5, rank_accuracy, eval_positions; chain_accepted_tokens) on the
+Markov-corrected logits, plus the confidence head's calibration on the held-out blocks:
+`confidence_by_slot` (mean c_j where slots < j were accepted) beside `accepted_by_slot` (how often slot j then was),
+`expected_chain_tokens` (mean of sum_j S_j, S_j = c_1 .. c_j) beside chain_accepted_tokens, and `survival_ece`
+(expected calibration error of S_j against "slots 1..j all accepted", 10 equal-width bins).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+
+from headstart.heads.dspark import DSparkConfig, DSparkDraft
+from headstart.train import dflash
+from headstart.train.cli import run_main
+from headstart.train.config import check_number, check_run_config, parse_config
+from headstart.train.data import collate
+from headstart.train.dflash import BlockDraft, DFlashTrainConfig, block_loss, prepare_batch, slot_outputs
+from headstart.train.eagle import param_groups
+from headstart.train.features import FeatureSource, open_feature_source
+from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary,
+                                  start_run, train, truth_rank)
+from headstart.train.sharding import plain_model
+
+ECE_BINS = 10
+
+
+@dataclass
+class DSparkTrainConfig(DFlashTrainConfig):
+    output_dir: str = "runs/dspark"  # where the heads directory, checkpoints and train_log.jsonl go
+    method: str = "dspark"  # dspark (the only method of this script)
+    markov_rank: int = 64  # rank of the Markov head's factors
+    confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
+    confidence_weight: float = 1.0  # weight of the confidence head's binary cross-entropy in the loss
+
+
+def check_config(cfg: DSparkTrainConfig) -> DSparkTrainConfig:
+    check_run_config(cfg, ("dspark",))
+    dflash.check_config(dataclasses.replace(cfg, method="dflash"))  # the backbone's and the token loss's checks
+    check_number(cfg, "markov_rank", 1)
+    check_number(cfg, "confidence_weight", 0)
+    return cfg
+
+
+def previous_tokens(prep: dict) -> torch.Tensor:
+    """The token before each drafted slot, teacher-forced [B, K, Bk-1]: the anchor for slot 1, x_{p+j-1} after."""
+    B, K, S = prep["labels"].shape
+    anchors = prep["tokens"].view(B, K, S + 1)[..., :1]
+    return torch.cat([anchors, prep["labels"][..., :-1]], dim=-1)
+
+
+def slot_accepted(logits: torch.Tensor, draft_labels: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
+    """logits [..., Vd], the data tokens' draft indices and in-vocabulary mask [...] -> bool [...]: the draft's
+    argmax is the data token (the confidence head's target)."""
+    return (logits.argmax(-1) == draft_labels) & in_vocab
+
+
+def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch.Tensor, denom: torch.Tensor,
+                cfg: DSparkTrainConfig) -> tuple[torch.Tensor, dict]:
+    """out [N, h] (the draft's outputs at the selected slots) -> (DFlash's token loss on the Markov-corrected logits
+    + confidence_weight x the weighted BCE of the confidence head / denom, sums: DFlash's plus bce and conf_hits)."""
+    sel = prep["selected"]
+    prev = previous_tokens(prep)[sel]  # [N]
+    logits = draft.corrected_logits(out, scored, prev)  # [N, Vd]
+    loss, sums = block_loss(logits, prep, denom, cfg)
+    accepted = slot_accepted(logits.detach(), prep["draft_labels"][sel], prep["in_vocab"][sel]).float()  # [N]
+    conf = draft.confidence_logit(draft.norm(out), prev).float()  # [N]
+    w = prep["weights"][sel]
+    bce = (w * F.binary_cross_entropy_with_logits(conf, accepted, reduction="none")).sum()
+    sums.update(bce=bce.detach(), accepted=(w * accepted).sum(), predicted=(w * torch.sigmoid(conf.detach())).sum())
+    return loss + cfg.confidence_weight * bce / denom.clamp(min=1e-9), sums
+
+
+@torch.no_grad()
+def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], cfg: DSparkTrainConfig,
+             accelerator: Accelerator, pad_id: int, scored: torch.Tensor) -> dict:
+    """DFlash's held-out metrics on the Markov-corrected logits, and the confidence head's calibration."""
+    draft, S, R = model.draft, cfg.block_size - 1, 10
+    dev = accelerator.device
+    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10, or outside the draft vocabulary
+    chain = torch.zeros(3, device=dev)  # accepted drafted tokens, expected ones (sum of survivals), blocks
+    by_slot = torch.zeros(3, S, device=dev)  # where the slots before were accepted: confidence, accepted, slots
+    bins = torch.zeros(3, ECE_BINS, device=dev)  # per survival bin: predicted, observed, slots
+    mine = rows[accelerator.process_index :: accelerator.num_processes]
+    for r in mine:  # one row at a time: [K * (Bk-1), Vd] logits
+        batch = {k: v.to(dev) for k, v in collate([source.rows[r]], pad_id).items()}
+        batch["rows"] = torch.tensor([r])
+        prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, labels="data"), None,
+                             cfg.eval_anchors)
+        out = slot_outputs(model, prep)[0]  # [K, S, h]
+        prev = previous_tokens(prep)[0]  # [K, S]
+        logits = draft.corrected_logits(out, scored, prev).float()  # [K, S, Vd]
+        labels, in_vocab, sup = prep["draft_labels"][0], prep["in_vocab"][0], prep["supervised"][0]
+        rank = torch.where(in_vocab, truth_rank(logits, logits.gather(-1, labels[..., None]), R), R)  # [K, S]
+        for j in range(S):
+            rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()
+        conf = torch.sigmoid(draft.confidence_logit(draft.norm(out), prev).float())  # [K, S]
+        hit = (rank == 0) & sup  # the draft's argmax is the data token
+        prefix = hit.long().cumprod(1)  # slots 1..j all accepted
+        before = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], 1).bool() & sup  # slots < j were
+        by_slot += torch.stack([(conf * before).sum(0), (hit & before).float().sum(0), before.float().sum(0)])
+        survival, counted = conf.cumprod(1), sup.long().cumprod(1).bool()  # S_j; slots whose prefix is supervised
+        index = (survival * ECE_BINS).long().clamp(max=ECE_BINS - 1)[counted]
+        bins += torch.stack([torch.bincount(index, weights=w[counted].float(), minlength=ECE_BINS)
+                             for w in (survival, prefix, torch.ones_like(survival))])
+        real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
+        chain += torch.stack([prefix.sum(1)[real].sum().float(), (survival * counted).sum(1)[real].sum(),
+                              real.sum().float()])
+    rank_counts, chain, by_slot, bins = (accelerator.reduce(t, "sum") for t in (rank_counts, chain, by_slot, bins))
+    ece = float((bins[0] - bins[1]).abs().sum() / bins[2].sum().clamp(min=1))
+    blocks = chain[2].clamp(min=1)
+    return {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(chain[0] / blocks), 4),
+            "expected_chain_tokens": round(float(chain[1] / blocks), 4),
+            "confidence_by_slot": [round(float(c), 4) for c in by_slot[0] / by_slot[2].clamp(min=1)],
+            "accepted_by_slot": [round(float(a), 4) for a in by_slot[1] / by_slot[2].clamp(min=1)],
+            "survival_ece": round(ece, 4)}
+
+
+def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
+    """DFlash's draft (train/dflash.py build_draft: mask token, draft vocabulary, initialisation) with the Markov and
+    confidence heads added, freshly initialised."""
+    backbone = dflash.build_draft(run, cfg)
+    config = DSparkConfig(**dict(dataclasses.asdict(backbone.config), method="dspark", markov_rank=cfg.markov_rank,
+                                 confidence_with_markov=cfg.confidence_with_markov))
+    draft = DSparkDraft(config).to(run.accelerator.device)
+    missing, unexpected = draft.load_state_dict(backbone.state_dict(), strict=False)
+    assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing), missing
+    draft.mask_embedding.requires_grad_(backbone.mask_embedding.requires_grad)  # mask_input target_row: frozen
+    run.accelerator.print(f"DSpark heads: Markov rank {cfg.markov_rank}, confidence head over "
+                          f"{draft.confidence_head.proj.in_features} features")
+    return draft
+
+
+def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
+    return f"""---
+library_name: headstart
+tags: [dspark, dflash, speculative-decoding]
+---
+# DSpark draft for `{info.name}`
+
+- Method: DSpark: a DFlash draft ({cfg.num_layers} decoder layers read the target's layers
+  {metrics['feature_layers']} and draft a block of {cfg.block_size - 1} tokens in one forward, mask token
+  {metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token) and a confidence
+  head (the chance each slot is accepted)
+{card_facts(cfg, info, stats, metrics)}
+
+Held-out accuracy at block slot j (the token j positions after the anchor):
+
+{accuracy_table("slot", metrics)}
+
+Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: {metrics['chain_accepted_tokens']:.3f}
+(the confidence head expects {metrics['expected_chain_tokens']:.3f}; survival calibration error {metrics['survival_ece']:.3f})
+
+```python
+from headstart.heads.load import load_heads
+draft = load_heads("THIS_DIR_OR_REPO", target_info)
+```
+"""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = check_config(parse_config(DSparkTrainConfig, argv))
+    run = start_run(cfg)
+    accelerator, target = run.accelerator, run.target
+    draft = build_draft(run, cfg)
+    all_rows = run.train_rows + run.eval_rows
+    source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
+    if cfg.build_cache_only:
+        end_run(accelerator, run.claim)
+        return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
+    # the target's frozen lm_head rows the draft scores, sliced once: [Vd, h]
+    scored = draft.draft_lm_head_weight(target.get_output_embeddings().weight).detach()
+
+    def step_fn(model, micro: list[dict], step: int) -> dict:
+        unwrapped = accelerator.unwrap_model(model).draft
+        preps = [prepare_batch(b, source, target, unwrapped, scored, cfg, step, cfg.anchors_per_row) for b in micro]
+        denom = accelerator.reduce(torch.stack([p["weights"].sum() for p in preps]).sum(), "sum").clamp(min=1e-9)
+
+        def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
+            out = slot_outputs(model, prep)[prep["selected"]]  # [N, h]
+            return dspark_loss(unwrapped, out, prep, scored, denom, cfg)
+
+        sums = accumulate(accelerator, model, preps, micro_loss)
+        sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
+        acc = sums["hits"] / sums["slots"].clamp(min=1)
+        return {"loss": float(sums["ce"] / denom), "bce": float(sums["bce"] / denom),
+                "conf": round(float(sums["predicted"] / denom), 4), "accepted": round(float(sums["accepted"] / denom), 4),
+                "acc": [round(float(a), 4) for a in acc]}
+
+    groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in param_groups(draft, cfg.optimizer)]
+    trained = train(run, BlockDraft(draft), groups, step_fn, schedule=cfg.lr_schedule)
+    if not trained.finished:
+        return {"step": trained.step}
+    # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors
+    model = plain_model(accelerator, trained.model, lambda: BlockDraft(DSparkDraft(draft.config)).to(accelerator.device))
+    model.eval()
+    n_train = len(run.train_rows)
+    metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
+                       scored)
+    metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": draft.config.mask_token_id,
+                    "block_size": cfg.block_size, "markov_rank": cfg.markov_rank, "feature_source": source.mode})
+    return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "slot")
+
+
+if __name__ == "__main__":
+    run_main(main)
