@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -297,28 +298,51 @@ def test_vllm_export_meets_the_loader_contract(draft_vocab):
 
 
 def gpu_vllm() -> str | None:
-    """Why the real vLLM DSpark check cannot run here, or None when it can (vLLM 0.32 runs dspark only in Model
-    Runner V2, on a GPU with Triton)."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: vLLM 0.32 runs method dspark only in Model Runner V2 (GPU, Triton); its CPU build refuses it"
-    python = os.environ.get("HEADSTART_VLLM_PYTHON", "python")
-    if subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
-        return "vLLM is not installed for HEADSTART_VLLM_PYTHON (or this python)"
-    return None
+    """The python of a GPU vLLM that can run method dspark, or None (vLLM 0.32 runs dspark only in Model Runner V2,
+    on a GPU with Triton; its CPU build refuses it)."""
+    python = os.environ.get("HEADSTART_VLLM_PYTHON") or sys.executable
+    probe = "import torch, vllm; assert torch.cuda.is_available()"
+    return python if subprocess.run([python, "-c", probe], capture_output=True).returncode == 0 else None
 
 
-@pytest.mark.skipif(gpu_vllm() is not None, reason=str(gpu_vllm()))
-def test_vllm_loads_the_export_and_greedy_output_is_the_target_s(tmp_path, embedded_target):
-    """GPU lane: vLLM serves a seeded random DSpark export of the embedded target; greedy output with it equals
-    vLLM's without it (inference/vllm_check.py, as tests/test_vllm.py runs DFlash)."""
-    from headstart.heads.export import export_heads
-    from headstart.inference.vllm_check import main as vllm_check
+GPU_VLLM = gpu_vllm()
+NO_GPU_VLLM = ("no vLLM with a CUDA GPU (HEADSTART_VLLM_PYTHON or this python): vLLM 0.32 runs method dspark only in "
+               "Model Runner V2 (GPU, Triton), its CPU build refuses it")
 
+
+def vllm_compare(heads: list[str], out, num_prompts: int, max_new_tokens: int) -> dict:
+    cmd = [sys.executable, "-m", "headstart.inference.vllm_check", "compare", "--heads", *heads, "--formats", "vllm",
+           "--vllm_python", GPU_VLLM, "--num_prompts", str(num_prompts), "--max_new_tokens", str(max_new_tokens),
+           "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=7200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.skipif(GPU_VLLM is None, reason=NO_GPU_VLLM)
+def test_vllm_loads_the_export_and_keeps_greedy_output(tmp_path, embedded_target):
+    """GPU lane: a seeded random DSpark draft of the embedded target, exported and served by vLLM: greedy output with
+    it is vLLM's without it, and the draft ran."""
     model, _, info = embedded_target
     torch.manual_seed(0)
     draft = DSparkDraft(dspark_config_for(model, markov_rank=16, num_layers=1, block_size=4,
                                           mask_token_id=model.config.vocab_size - 1, feature_layers=[2, 15, 28],
                                           target_info=info))
-    draft.save_pretrained(tmp_path / "heads")
-    out = export_heads(tmp_path / "heads", tmp_path / "vllm", "vllm", target=model)
-    assert vllm_check(["run", "--export", str(out)]) == 0
+    draft.save_pretrained(tmp_path / "dspark" / "heads")
+    results = vllm_compare([str(tmp_path / "dspark" / "heads")], tmp_path / "check", 2, 24)
+    (run,) = results["runs"]
+    assert "error" not in run, run.get("error")
+    assert run["method"] == "dspark" and run["k"] == 3 and run["identical_to_vllm_without_draft"] == "2/2", run
+    assert run["vllm_counters"]["vllm:spec_decode_num_drafts"] > 0, run
+
+
+@pytest.mark.skipif(GPU_VLLM is None or not os.environ.get("HEADSTART_VLLM_DSPARK_HEADS"),
+                    reason=NO_GPU_VLLM if GPU_VLLM is None else "set HEADSTART_VLLM_DSPARK_HEADS=DIR (trained DSpark "
+                                                                "heads) for the acceptance check")
+def test_trained_dspark_acceptance_in_vllm_matches_headstart(tmp_path):
+    """vLLM's mean acceptance with the export (its fixed chain of block_size - 1, adaptive verification off) within 2%
+    of headstart's tau on the same prompts."""
+    results = vllm_compare([os.environ["HEADSTART_VLLM_DSPARK_HEADS"]], tmp_path / "check", 8, 64)
+    for run in results["runs"]:
+        assert "error" not in run and run["identical_to_vllm_without_draft"] == "8/8", run
+        assert abs(run["relative_difference"]) <= 0.02, run
