@@ -21,6 +21,7 @@ x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `mark
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -97,12 +98,12 @@ def dspark_export(heads: DSparkDraft, request) -> tuple[dict, dict, dict]:
     plus the Markov and confidence tensors and keys. vLLM's DSpark reads no mask_embedding (file or tensor): the mask
     slots embed `embed_tokens[mask_token_id]`, so a trained mask vector ships as `embed_tokens.weight` (the target's
     embedding with that row replaced); a draft trained on the target's own row (mask_input target_row) ships none."""
-    from headstart.heads.export_formats import MASK_EMBEDDING_FILE, _target_weights, dflash_export
-
+    # found by name when called, as the declarations name their writers: export_formats imports the registry
+    formats = importlib.import_module("headstart.heads.export_formats")
     cfg = heads.config
-    config, tensors, notes = dflash_export(heads, request)
-    del tensors[MASK_EMBEDDING_FILE]
-    embeddings, _ = _target_weights(heads, request.target)
+    config, tensors, notes = formats.dflash_export(heads, request)
+    del tensors[formats.MASK_EMBEDDING_FILE]
+    embeddings, _ = formats._target_weights(heads, request.target)
     mask = heads.mask_embedding.detach().cpu().float()
     if not torch.equal(mask, embeddings[cfg.mask_token_id]):
         embed = embeddings.clone()
