@@ -37,6 +37,29 @@ def test_evaluate_slots_counts_ranks_chains_and_ratios_exactly():
     assert out["target_top1"] == 0.75
 
 
+def test_evaluate_slots_sums_extra_over_batches_and_hands_them_to_summarise():
+    """Each batch's extra sums add to the zeros given; summarise sees the totals, its figures follow the rest."""
+    logits, labels = torch.tensor([[[2.0, 1.0]]]), torch.tensor([[0]])  # [K=1, N=1, V=2]: one hit per batch
+    ones = torch.ones(1, 1, dtype=torch.bool)
+    seen = []
+
+    def score(batch: dict) -> SlotScores:
+        row = float(batch["rows"][0])
+        return SlotScores(logits, labels, ones, ones, extra={"pair": torch.tensor([row, 1.0]), "n": torch.tensor(1.0)})
+
+    def summarise(sums: dict) -> dict:
+        seen.append({k: v.tolist() for k, v in sums.items()})
+        return {"mean_row": float(sums["pair"][0] / sums["pair"][1]), "batches": int(sums["n"])}
+
+    rows = [{"input_ids": [5, 6], "loss_mask": [0, 1]}] * 4
+    zeros = {"pair": torch.zeros(2), "n": torch.zeros(())}
+    out = evaluate_slots(score, rows, [0, 1, 3, 0], 1, Accelerator(cpu=True), 0, 1, extra=zeros, summarise=summarise)
+    assert list(out) == ["top1", "top5", "rank_accuracy", "eval_positions", "mean_row", "batches"]
+    assert seen == [{"pair": [4.0, 4.0], "n": 4.0}] and out["mean_row"] == 1.0 and out["batches"] == 4
+    assert zeros["pair"].tolist() == [0.0, 0.0]  # the zeros given stay zeros
+    assert out["top1"] == [1.0] and out["eval_positions"] == [4]
+
+
 def test_heads_card_metadata_names_target_license_method_and_figures():
     info = TargetInfo("smollm2-135m", "llama", 576, 30, 49152, "abc123")
     cfg = SimpleNamespace(method="eagle3", data_dir="runs/sd", max_length=1024, learning_rate=1e-4, warmup_ratio=0.05)

@@ -8,6 +8,10 @@ processes and summarises:
     metrics = evaluate_slots(score, all_rows, eval_ids, batch_size, accelerator, pad_id, slots, chained, ratios)
     # top1 [K], top5 [K], rank_accuracy [K][R], eval_positions [K]; chain_accepted_tokens (methods that chain
     # their slots); the method's own ratios (target_top1, ...)
+
+A method whose figures are not ratios of two counts (DSpark's calibration) passes `extra`, zero tensors of the sums it
+keeps; each batch's SlotScores.extra adds to them, and `summarise` turns the totals (summed over processes) into
+figures.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class SlotScores:
     # (slot hits [K, N]: rank 0 where counted) -> [K, M]: the hits along each of M greedy chains, slot by slot
     chain: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     ratios: dict[str, tuple] = field(default_factory=dict)  # name -> (numerator, denominator) counts of this batch
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> this batch's sums (evaluate_slots' extra)
 
 
 def truth_rank(logits: torch.Tensor, truth: torch.Tensor, misses: int) -> torch.Tensor:
@@ -60,12 +65,15 @@ def rank_summary(rank_counts: torch.Tensor) -> dict:
 @torch.no_grad()
 def evaluate_slots(score: Callable[[dict], SlotScores], all_rows: list[dict], ids: list[int], batch_size: int,
              accelerator: Accelerator, pad_id: int, slots: int, chained: bool = False,
-             ratios: tuple[str, ...] = ()) -> dict:
+             ratios: tuple[str, ...] = (), extra: Optional[dict[str, torch.Tensor]] = None,
+             summarise: Optional[Callable[[dict[str, torch.Tensor]], dict]] = None) -> dict:
     """score(batch) -> SlotScores for each batch of the held-out rows all_rows[ids] (collated, on the device, with
     `rows` their indices), this process's share of them -> the summary: rank_summary; with `chained` (score gives
     `chain`) chain_accepted_tokens, the mean hits before a chain's first miss; then the `ratios` score counts, in
-    this order. Every process reduces the same tensors, whether it had rows or not."""
+    this order; then summarise(the `extra` sums: the zeros given plus every batch's SlotScores.extra). Every process
+    reduces the same tensors, whether it had rows or not."""
     dev = accelerator.device
+    sums = {name: zeros.to(dev).float().clone() for name, zeros in (extra or {}).items()}
     rank_counts = torch.zeros(slots, RANKS + 1, device=dev)
     counts = torch.zeros(2 + 2 * len(ratios), device=dev)  # accepted chain tokens, chains, then each ratio's two
     mine = ids[accelerator.process_index :: accelerator.num_processes]
@@ -86,6 +94,8 @@ def evaluate_slots(score: Callable[[dict], SlotScores], all_rows: list[dict], id
             num, den = scores.ratios[name]
             counts[2 + 2 * i] += num
             counts[3 + 2 * i] += den
+        for name in sums:
+            sums[name] += scores.extra[name]
     rank_counts = accelerator.reduce(rank_counts, "sum")
     counts = accelerator.reduce(counts, "sum")
     out = rank_summary(rank_counts)
@@ -93,4 +103,6 @@ def evaluate_slots(score: Callable[[dict], SlotScores], all_rows: list[dict], id
         out["chain_accepted_tokens"] = round(float(counts[0] / counts[1].clamp(min=1)), 4)
     for i, name in enumerate(ratios):
         out[name] = round(float(counts[2 + 2 * i] / counts[3 + 2 * i].clamp(min=1)), 4)
+    if summarise is not None:
+        out.update(summarise({name: accelerator.reduce(total, "sum") for name, total in sums.items()}))
     return out
