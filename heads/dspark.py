@@ -125,8 +125,9 @@ def dspark_export(heads: DSparkDraft, request) -> tuple[dict, dict, dict]:
 # The one declaration of DSpark (heads/draft_method.py), registered in heads/methods.py: DFlash's, with its own
 # config, module, proposer, trainer and vLLM writer.
 DSPARK = dataclasses.replace(
-    DFLASH, title="a DSpark draft", names=("dspark",), config_class=DSparkConfig, module_class=DSparkDraft,
-    proposer="headstart.inference.dspark:dspark_proposer", trainer="headstart.train.dspark",
+    DFLASH, title="a DSpark draft", card_name="DSpark", names=("dspark",), config_class=DSparkConfig,
+    module_class=DSparkDraft, proposer="headstart.inference.dspark:dspark_proposer", trainer="headstart.train.dspark",
+    train_config="DSparkTrainConfig",
     formats=("vllm",),
     refusals={fmt: ("headstart exports DSpark drafts for vLLM only (method: dspark); {fmt} is not checked against a "
                     "loader: use --format vllm") for fmt in ("sglang", "speculators", "llamacpp")},

@@ -36,14 +36,14 @@ from accelerate import Accelerator
 
 from headstart.heads.dspark import DSparkConfig, DSparkDraft
 from headstart.train import dflash
+from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import check_number, check_run_config, parse_config
-from headstart.train.data import collate
 from headstart.train.dflash import BlockDraft, DFlashTrainConfig, block_loss, prepare_batch, slot_outputs
 from headstart.train.eagle import param_groups
+from headstart.train.evaluate import RANKS, SlotScores, evaluate_slots, truth_rank
 from headstart.train.features import FeatureSource, open_feature_source
-from headstart.train.loop import (Run, accumulate, accuracy_table, card_facts, end_run, finish_run, rank_summary,
-                                  start_run, train, truth_rank)
+from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
 from headstart.train.sharding import plain_model
 
 ECE_BINS = 10
@@ -95,49 +95,50 @@ def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch
     return loss + cfg.confidence_weight * bce / denom.clamp(min=1e-9), sums
 
 
-@torch.no_grad()
-def evaluate(model: BlockDraft, target, source: FeatureSource, rows: list[int], cfg: DSparkTrainConfig,
+def calibration(sums: dict[str, torch.Tensor]) -> dict:
+    """The confidence head's held-out figures from evaluate's summed counts (summed over rows and processes)."""
+    by_slot, bins, chain = sums["by_slot"], sums["bins"], sums["chain"]
+    return {"expected_chain_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4),
+            "confidence_by_slot": [round(float(c), 4) for c in by_slot[0] / by_slot[2].clamp(min=1)],
+            "accepted_by_slot": [round(float(a), 4) for a in by_slot[1] / by_slot[2].clamp(min=1)],
+            "survival_ece": round(float((bins[0] - bins[1]).abs().sum() / bins[2].sum().clamp(min=1)), 4)}
+
+
+def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], cfg: DSparkTrainConfig,
              accelerator: Accelerator, pad_id: int, scored: torch.Tensor) -> dict:
-    """DFlash's held-out metrics on the Markov-corrected logits, and the confidence head's calibration."""
-    draft, S, R = model.draft, cfg.block_size - 1, 10
-    dev = accelerator.device
-    rank_counts = torch.zeros(S, R + 1, device=dev)  # last column: rank >= 10, or outside the draft vocabulary
-    chain = torch.zeros(3, device=dev)  # accepted drafted tokens, expected ones (sum of survivals), blocks
-    by_slot = torch.zeros(3, S, device=dev)  # where the slots before were accepted: confidence, accepted, slots
-    bins = torch.zeros(3, ECE_BINS, device=dev)  # per survival bin: predicted, observed, slots
-    mine = rows[accelerator.process_index :: accelerator.num_processes]
-    for r in mine:  # one row at a time: [K * (Bk-1), Vd] logits
-        batch = {k: v.to(dev) for k, v in collate([source.rows[r]], pad_id).items()}
-        batch["rows"] = torch.tensor([r])
+    """DFlash's held-out metrics (train/evaluate.py) on the Markov-corrected logits, one row at a time, and the
+    confidence head's calibration (`calibration`) from sums kept beside them."""
+    draft, S = model.draft, cfg.block_size - 1
+
+    def score(batch: dict) -> SlotScores:
         prep = prepare_batch(batch, source, target, draft, scored, dataclasses.replace(cfg, labels="data"), None,
                              cfg.eval_anchors)
         out = slot_outputs(model, prep)[0]  # [K, S, h]
         prev = previous_tokens(prep)[0]  # [K, S]
         logits = draft.corrected_logits(out, scored, prev).float()  # [K, S, Vd]
         labels, in_vocab, sup = prep["draft_labels"][0], prep["in_vocab"][0], prep["supervised"][0]
-        rank = torch.where(in_vocab, truth_rank(logits, logits.gather(-1, labels[..., None]), R), R)  # [K, S]
-        for j in range(S):
-            rank_counts[j] += torch.bincount(rank[:, j][sup[:, j]], minlength=R + 1).float()
+        real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
+        # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
+        hit = (truth_rank(logits, logits.gather(-1, labels[..., None]), RANKS) == 0) & in_vocab & sup  # [K, S]
         conf = torch.sigmoid(draft.confidence_logit(draft.norm(out), prev).float())  # [K, S]
-        hit = (rank == 0) & sup  # the draft's argmax is the data token
         prefix = hit.long().cumprod(1)  # slots 1..j all accepted
         before = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], 1).bool() & sup  # slots < j were
-        by_slot += torch.stack([(conf * before).sum(0), (hit & before).float().sum(0), before.float().sum(0)])
         survival, counted = conf.cumprod(1), sup.long().cumprod(1).bool()  # S_j; slots whose prefix is supervised
         index = (survival * ECE_BINS).long().clamp(max=ECE_BINS - 1)[counted]
-        bins += torch.stack([torch.bincount(index, weights=w[counted].float(), minlength=ECE_BINS)
-                             for w in (survival, prefix, torch.ones_like(survival))])
-        real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
-        chain += torch.stack([prefix.sum(1)[real].sum().float(), (survival * counted).sum(1)[real].sum(),
-                              real.sum().float()])
-    rank_counts, chain, by_slot, bins = (accelerator.reduce(t, "sum") for t in (rank_counts, chain, by_slot, bins))
-    ece = float((bins[0] - bins[1]).abs().sum() / bins[2].sum().clamp(min=1))
-    blocks = chain[2].clamp(min=1)
-    return {**rank_summary(rank_counts), "chain_accepted_tokens": round(float(chain[0] / blocks), 4),
-            "expected_chain_tokens": round(float(chain[1] / blocks), 4),
-            "confidence_by_slot": [round(float(c), 4) for c in by_slot[0] / by_slot[2].clamp(min=1)],
-            "accepted_by_slot": [round(float(a), 4) for a in by_slot[1] / by_slot[2].clamp(min=1)],
-            "survival_ece": round(ece, 4)}
+        extra = {
+            "by_slot": torch.stack([(conf * before).sum(0), (hit & before).float().sum(0), before.float().sum(0)]),
+            "bins": torch.stack([torch.bincount(index, weights=w[counted].float(), minlength=ECE_BINS)
+                                 for w in (survival, prefix, torch.ones_like(survival))]),
+            "chain": torch.stack([(survival * counted).sum(1)[real].sum(), real.sum().float()]),
+        }
+        return SlotScores(logits.transpose(0, 1), labels.t(), in_vocab.t(), sup.t(), chain=lambda hits: hits[:, real],
+                          extra=extra)
+
+    # by_slot: where the slots before were accepted, per slot: confidence, accepted, slots; bins: per survival bin:
+    # predicted, observed, slots; chain: expected drafted tokens (sum of survivals), blocks
+    zeros = {"by_slot": torch.zeros(3, S), "bins": torch.zeros(3, ECE_BINS), "chain": torch.zeros(2)}
+    return evaluate_slots(score, source.rows, ids, 1, accelerator, pad_id, S, chained=True, extra=zeros,
+                          summarise=calibration)
 
 
 def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
@@ -156,30 +157,16 @@ def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
 
 
 def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
-    return f"""---
-library_name: headstart
-tags: [dspark, dflash, speculative-decoding]
----
-# DSpark draft for `{info.name}`
-
-- Method: DSpark: a DFlash draft ({cfg.num_layers} decoder layers read the target's layers
-  {metrics['feature_layers']} and draft a block of {cfg.block_size - 1} tokens in one forward, mask token
-  {metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token) and a confidence
-  head (the chance each slot is accepted)
-{card_facts(cfg, info, stats, metrics)}
-
-Held-out accuracy at block slot j (the token j positions after the anchor):
-
-{accuracy_table("slot", metrics)}
-
-Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: {metrics['chain_accepted_tokens']:.3f}
-(the confidence head expects {metrics['expected_chain_tokens']:.3f}; survival calibration error {metrics['survival_ece']:.3f})
-
-```python
-from headstart.heads.load import load_heads
-draft = load_heads("THIS_DIR_OR_REPO", target_info)
-```
-"""
+    return heads_card(cfg, info, stats, metrics, CardText(
+        title="DSpark draft", slot="slot",
+        method=f"DSpark: a DFlash draft ({cfg.num_layers} decoder layers read the target's layers "
+               f"{metrics['feature_layers']} and draft a block of {cfg.block_size - 1} tokens in one forward, mask token "
+               f"{metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token) and a "
+               f"confidence head (the chance each slot is accepted)",
+        table_caption="at block slot j: the token j positions after the anchor, Markov-corrected",
+        lines=[f"Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: "
+               f"{metrics['chain_accepted_tokens']:.3f} (the confidence head expects "
+               f"{metrics['expected_chain_tokens']:.3f}; survival calibration error {metrics['survival_ece']:.3f})"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
