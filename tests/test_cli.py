@@ -45,7 +45,8 @@ def test_version_and_an_unknown_stage(capsys):
 
 def test_train_picks_the_trainer_from_the_recipe_or_method():
     expected = {"medusa": "headstart.train.medusa", "medusa2": "headstart.train.medusa",
-                "eagle": "headstart.train.eagle", "eagle3": "headstart.train.eagle", "dflash": "headstart.train.dflash"}
+                "eagle": "headstart.train.eagle", "eagle3": "headstart.train.eagle", "dflash": "headstart.train.dflash",
+                "dspark": "headstart.train.dspark"}
     assert trainers() == expected
     recipes = sorted(p for p in RECIPES.glob("*/*.yaml") if p.parent.name != "accelerate" and p.stem != "selfdistill")
     assert {p.stem for p in recipes} == set(expected)  # a recipe of every method
@@ -88,9 +89,9 @@ def test_train_without_a_method_shows_its_usage(capsys):
     (["train", "--config", "smollm2-135m/nope"], "error: recipe smollm2-135m/nope does not exist: pass a recipe file, "
                                                  "or a shipped recipe by name ("),
     (["train", "--method", "medusa3"], "error: unknown method 'medusa3': pass --method (or a recipe's method:) as one "
-                                       "of medusa, medusa2, eagle, eagle3, dflash"),
+                                       "of medusa, medusa2, eagle, eagle3, dflash, dspark"),
     (["train", "--config", "smollm2-135m/selfdistill"], "error: recipe smollm2-135m/selfdistill has no method: field: "
-                                                        "pass --method (medusa, medusa2, eagle, eagle3, dflash)"),
+                                                        "pass --method (medusa, medusa2, eagle, eagle3, dflash, dspark)"),
 ])
 def test_a_bad_train_command_is_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
