@@ -289,7 +289,8 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 # case 19: --help
 
 
-SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.selfdistill",
+SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.dspark",
+           "headstart.train.selfdistill",
            "headstart.train.bench_selfdistill", "headstart.heads.export", "headstart.inference.replay",
            "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate",
            "headstart.inference.acceptance", "headstart.inference.vllm_check", "headstart.inference.vllm_side", "scripts.vllm_features", "headstart.inference.llamacpp_check",

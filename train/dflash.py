@@ -74,7 +74,7 @@ class DFlashTrainConfig(TrainRunConfig):
     # the mask token's input: trained (the draft's own mask_embedding, trained; mask token = an id no row contains) |
     # target_row (the target's frozen embedding row of the mask token, the pad token unless mask_token_id is set:
     # speculators' and vLLM's DSpark choice, which then need no mask_embedding file)
-    mask_input: str = "trained"
+    mask_input: str = "trained"  # trained | target_row: the mask slots' input (see above)
     block_causal: bool = False  # block slot j attends to slots 0..j only (speculators' default) instead of the whole block
     # training signal
     anchors_per_row: int = 64  # blocks drawn per row per step
@@ -82,11 +82,11 @@ class DFlashTrainConfig(TrainRunConfig):
     # is outside it are dropped) | target_argmax (CE on the target's argmax over the draft vocabulary, speculators':
     # every supervised slot is kept, an out-of-vocabulary token's slot learns the best in-vocabulary one) | data (CE on
     # the data token; out-of-vocabulary slots dropped)
-    labels: str = "target_probs"
+    labels: str = "target_probs"  # target_probs | target_argmax | data: what each slot learns (see above)
     # slot_weights: decay (slot j weighs exp(-(j - 1) / loss_decay), the loss divided by the weights' sum) | dpace
     # (speculators' D-PACE: slot j weighs sum_{i >= j} prod_{k <= i} s_k, s_k = (1 - dpace_alpha) exp(-CE_k) +
     # dpace_alpha, detached: slots the draft already gets right pass weight to later ones; divided by the slot count)
-    slot_weights: str = "decay"
+    slot_weights: str = "decay"  # decay | dpace: how the block's slots are weighted (see above)
     loss_decay: float = 4.0  # slot_weights decay: slot j's weight is exp(-(j - 1) / loss_decay)
     dpace_alpha: float = 0.5  # slot_weights dpace: the confidence floor alpha (speculators' default)
     optimizer: str = "adamw"  # adamw | muon: Muon on fc and the layers' weight matrices, AdamW on the rest (train/muon.py)
