@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-layer target, its rows)
+from test_infer_dflash import greedy_accepted_tokens
 from transformers import DynamicCache
 
 from headstart.heads.dspark import DSPARK, DSparkConfig, DSparkDraft, dspark_config_for, dspark_export
@@ -22,7 +23,6 @@ from headstart.heads.load import load_heads
 from headstart.heads.methods import method_of
 from headstart.heads.target import load_target, target_info
 from headstart.inference.adapt import StepCost
-from headstart.inference.decode import SamplingConfig, speculative_generate
 from headstart.inference.dspark import DSparkProposer
 from headstart.inference.forward import target_forward
 from headstart.inference.speculator import Speculator
@@ -159,16 +159,7 @@ def test_markov_head_changes_the_tree_by_parent():
 def test_greedy_output_equals_generate(tree):
     model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
     spec = Speculator(model, make_draft(model), tree=tree, cpu_linears=False)
-    gen = torch.Generator().manual_seed(0)
-    accepted = 0
-    for i in range(5):
-        prompt = torch.randint(0, 15, (1, 5 + i), generator=gen)
-        ref = model.generate(prompt, max_new_tokens=40, do_sample=False)[0, prompt.shape[1]:].tolist()
-        for adaptive, lookup in ((False, False), (True, False), (True, True)):
-            out = spec.generate(prompt, 40, stop_token_ids=[], adaptive=adaptive, lookup=lookup)
-            assert out.tokens == ref, (adaptive, lookup)
-            accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))
-    assert accepted > 20
+    assert greedy_accepted_tokens(model, spec, 5) > 20
 
 
 @pytest.mark.parametrize("bias,drafts", [(-30.0, False), (30.0, True)])

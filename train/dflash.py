@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -371,11 +371,15 @@ def model_card(cfg: DFlashTrainConfig, info, stats: dict, metrics: dict) -> str:
                f"{metrics['chain_accepted_tokens']:.3f}"]))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    cfg = check_config(parse_config(DFlashTrainConfig, argv))
+def train_block_drafter(cfg: DFlashTrainConfig, build: Callable, micro_loss: Callable, step_log: Callable,
+                        evaluate_fn: Callable, card: Callable, module_class: type, extra_metrics: dict) -> dict:
+    """The run a block drafter's trainer shares (DFlash here, DSpark in train/dspark.py): the draft from
+    build(run, cfg), the features, the optimizer steps with micro_loss(draft, model, prep, scored, denom) -> (loss,
+    sums) logged by step_log(sums, denom), then evaluate_fn's held-out metrics (plus extra_metrics), the heads
+    directory and the card."""
     run = start_run(cfg)
     accelerator, target = run.accelerator, run.target
-    draft = build_draft(run, cfg)
+    draft = build(run, cfg)
     all_rows = run.train_rows + run.eval_rows
     source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
     if cfg.build_cache_only:
@@ -388,30 +392,36 @@ def main(argv: list[str] | None = None) -> dict:
         unwrapped = accelerator.unwrap_model(model).draft
         preps = [prepare_batch(b, source, target, unwrapped, scored, cfg, step, cfg.anchors_per_row) for b in micro]
         denom = accelerator.reduce(torch.stack([p["weights"].sum() for p in preps]).sum(), "sum")
-
-        def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
-            logits = unwrapped.logits(slot_outputs(model, prep)[prep["selected"]], scored)  # [N, Vd]
-            return block_loss(logits, prep, denom, cfg)
-
-        sums = accumulate(accelerator, model, preps, micro_loss)
-        sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
-        acc = sums["hits"] / sums["slots"].clamp(min=1)
-        return {"loss": float(sums["ce"] / denom.clamp(min=1e-9)), "acc": [round(float(a), 4) for a in acc]}
+        sums = accumulate(accelerator, model, preps, lambda prep: micro_loss(unwrapped, model, prep, scored, denom))
+        return step_log({k: accelerator.reduce(v, "sum") for k, v in sums.items()}, denom)
 
     groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in param_groups(draft, cfg.optimizer)]
     trained = train(run, BlockDraft(draft), groups, step_fn, schedule=cfg.lr_schedule)
     if not trained.finished:
         return {"step": trained.step}
     # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors
-    model = plain_model(accelerator, trained.model, lambda: BlockDraft(DFlashDraft(draft.config)).to(accelerator.device))
+    model = plain_model(accelerator, trained.model, lambda: BlockDraft(module_class(draft.config)).to(accelerator.device))
     model.eval()
     n_train = len(run.train_rows)
-    metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
-                       scored)
+    metrics = evaluate_fn(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
+                          scored)
     metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": draft.config.mask_token_id,
-                    "block_size": cfg.block_size, "feature_source": source.mode})
-    return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "slot")
+                    "block_size": cfg.block_size, **extra_metrics, "feature_source": source.mode})
+    return finish_run(run, trained, metrics, model.draft.save_pretrained, card, "slot")
 
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = check_config(parse_config(DFlashTrainConfig, argv))
+
+    def loss(draft: DFlashDraft, model, prep: dict, scored: torch.Tensor, denom: torch.Tensor) -> tuple:
+        logits = draft.logits(slot_outputs(model, prep)[prep["selected"]], scored)  # [N, Vd]
+        return block_loss(logits, prep, denom, cfg)
+
+    def log(sums: dict, denom: torch.Tensor) -> dict:
+        acc = sums["hits"] / sums["slots"].clamp(min=1)
+        return {"loss": float(sums["ce"] / denom.clamp(min=1e-9)), "acc": [round(float(a), 4) for a in acc]}
+
+    return train_block_drafter(cfg, build_draft, loss, log, evaluate, model_card, DFlashDraft, {})
 
 if __name__ == "__main__":
     run_main(main)

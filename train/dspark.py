@@ -39,12 +39,11 @@ from headstart.train import dflash
 from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
 from headstart.train.config import check_number, check_run_config, parse_config
-from headstart.train.dflash import BlockDraft, DFlashTrainConfig, block_loss, prepare_batch, slot_outputs
-from headstart.train.eagle import param_groups
+from headstart.train.dflash import (BlockDraft, DFlashTrainConfig, block_loss, prepare_batch, slot_outputs,
+                                    train_block_drafter)
 from headstart.train.evaluate import RANKS, SlotScores, evaluate_slots, truth_rank
-from headstart.train.features import FeatureSource, open_feature_source
-from headstart.train.loop import Run, accumulate, end_run, finish_run, start_run, train
-from headstart.train.sharding import plain_model
+from headstart.train.features import FeatureSource
+from headstart.train.loop import Run
 
 ECE_BINS = 10
 
@@ -171,47 +170,20 @@ def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = check_config(parse_config(DSparkTrainConfig, argv))
-    run = start_run(cfg)
-    accelerator, target = run.accelerator, run.target
-    draft = build_draft(run, cfg)
-    all_rows = run.train_rows + run.eval_rows
-    source = open_feature_source(cfg, target, run.info, all_rows, draft.config.feature_layers, accelerator)
-    if cfg.build_cache_only:
-        end_run(accelerator, run.claim)
-        return {"feature_cache_dir": cfg.feature_cache_dir, **source.identity}
-    # the target's frozen lm_head rows the draft scores, sliced once: [Vd, h]
-    scored = draft.draft_lm_head_weight(target.get_output_embeddings().weight).detach()
 
-    def step_fn(model, micro: list[dict], step: int) -> dict:
-        unwrapped = accelerator.unwrap_model(model).draft
-        preps = [prepare_batch(b, source, target, unwrapped, scored, cfg, step, cfg.anchors_per_row) for b in micro]
-        denom = accelerator.reduce(torch.stack([p["weights"].sum() for p in preps]).sum(), "sum").clamp(min=1e-9)
+    def loss(draft: DSparkDraft, model, prep: dict, scored: torch.Tensor, denom: torch.Tensor) -> tuple:
+        out = slot_outputs(model, prep)[prep["selected"]]  # [N, h]
+        return dspark_loss(draft, out, prep, scored, denom.clamp(min=1e-9), cfg)
 
-        def micro_loss(prep: dict) -> tuple[torch.Tensor, dict]:
-            out = slot_outputs(model, prep)[prep["selected"]]  # [N, h]
-            return dspark_loss(unwrapped, out, prep, scored, denom, cfg)
-
-        sums = accumulate(accelerator, model, preps, micro_loss)
-        sums = {k: accelerator.reduce(v, "sum") for k, v in sums.items()}
+    def log(sums: dict, denom: torch.Tensor) -> dict:
+        denom = denom.clamp(min=1e-9)
         acc = sums["hits"] / sums["slots"].clamp(min=1)
         return {"loss": float(sums["ce"] / denom), "bce": float(sums["bce"] / denom),
                 "conf": round(float(sums["predicted"] / denom), 4), "accepted": round(float(sums["accepted"] / denom), 4),
                 "acc": [round(float(a), 4) for a in acc]}
 
-    groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in param_groups(draft, cfg.optimizer)]
-    trained = train(run, BlockDraft(draft), groups, step_fn, schedule=cfg.lr_schedule)
-    if not trained.finished:
-        return {"step": trained.step}
-    # under FSDP or DeepSpeed: an unsharded copy of its own for the trained tensors
-    model = plain_model(accelerator, trained.model, lambda: BlockDraft(DSparkDraft(draft.config)).to(accelerator.device))
-    model.eval()
-    n_train = len(run.train_rows)
-    metrics = evaluate(model, target, source, list(range(n_train, len(all_rows))), cfg, accelerator, run.pad_id,
-                       scored)
-    metrics.update({"feature_layers": draft.config.feature_layers, "mask_token_id": draft.config.mask_token_id,
-                    "block_size": cfg.block_size, "markov_rank": cfg.markov_rank, "feature_source": source.mode})
-    return finish_run(run, trained, metrics, model.draft.save_pretrained, model_card, "slot")
-
+    return train_block_drafter(cfg, build_draft, loss, log, evaluate, model_card, DSparkDraft,
+                               {"markov_rank": cfg.markov_rank})
 
 if __name__ == "__main__":
     run_main(main)
