@@ -226,6 +226,6 @@ DFLASH = DraftMethod(
     refusals={fmt: ("headstart exports DFlash drafts for vLLM only (method: dflash); {fmt} is not checked against a "
                     "loader: use --format vllm") for fmt in ("sglang", "speculators")},
     engine_export="headstart.heads.export_formats:dflash_export",
-    gguf_export="headstart.heads.export_gguf:dflash_gguf",
+    gguf_export="headstart.heads.export_gguf:dflash_gguf", llamacpp_spec_type="draft-dflash",
     bench_info=lambda config: {"method": "dflash", "block_size": config.block_size},
 )

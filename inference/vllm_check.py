@@ -161,7 +161,7 @@ def compare(args: argparse.Namespace) -> int:
             export_heads(heads_dir, exp, fmt, target=loaded[0], num_speculative_tokens=k, overwrite=True)
             info = json.loads((exp / "export.json").read_text())
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
-                           args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
+                           args.max_new_tokens, str(exp), method, k,
                            no_weights_track="token_map" in info["notes"],
                            per_layer_k_norm="vllm_cpu_k_norm" in info["notes"])
             # both count the tokens written after the prefill per decode step (vLLM: 1 + accepted / drafts)
@@ -269,7 +269,7 @@ def speed(args: argparse.Namespace) -> int:
                "predicted_acceptance": None if predicted is None else round(predicted, 4),
                "predicted_speedup": served["predicted_speedup"], "prediction_source": served["source"]}
         run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"speed-{exp.name}.json",
-                       args.max_new_tokens, str(exp), {"medusa": "medusa"}.get(method, method), k,
+                       args.max_new_tokens, str(exp), method, k,
                        no_weights_track="token_map" in info["notes"],
                        per_layer_k_norm="vllm_cpu_k_norm" in info["notes"], rounds=args.rounds)
         try:

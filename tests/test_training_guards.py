@@ -17,6 +17,7 @@ import torch
 from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-layer target, its greedy rows)
 from test_eagle_train import args as eagle_args
 from test_medusa_train import base_args, write_selfdistilled
+from headstart.cli import trainers
 from headstart.train.config import ConfigError, parse_config
 from headstart.train.data import DataError
 
@@ -289,12 +290,12 @@ def test_shard_problem_names_what_is_wrong(tmp_path):
 # case 19: --help
 
 
-SCRIPTS = ["headstart.train.medusa", "headstart.train.eagle", "headstart.train.dflash", "headstart.train.dspark",
-           "headstart.train.selfdistill",
-           "headstart.train.bench_selfdistill", "headstart.heads.export", "headstart.inference.replay",
-           "headstart.inference.bench", "headstart.inference.forward", "headstart.inference.generate",
-           "headstart.inference.acceptance", "headstart.inference.vllm_check", "headstart.inference.vllm_side", "scripts.vllm_features", "headstart.inference.llamacpp_check",
-           "scripts.demo"]
+# every registered method's trainer (heads/methods.py), then the other stages' and scripts' parsers
+SCRIPTS = sorted(set(trainers().values())) + [
+    "headstart.train.selfdistill", "headstart.train.bench_selfdistill", "headstart.heads.export",
+    "headstart.inference.replay", "headstart.inference.bench", "headstart.inference.forward",
+    "headstart.inference.generate", "headstart.inference.acceptance", "headstart.inference.vllm_check",
+    "headstart.inference.vllm_side", "scripts.vllm_features", "headstart.inference.llamacpp_check", "scripts.demo"]
 
 
 class ParserBuilt(Exception):
