@@ -253,3 +253,28 @@ def test_recipe_parses_and_bad_configs_fail():
             check_config(DFlashTrainConfig(**{field: value}))
     with pytest.raises(ConfigError, match="dpace_alpha"):
         check_config(DFlashTrainConfig(dpace_alpha=1.5))
+
+
+SPECULATORS_PYTHON = os.environ.get("HEADSTART_SPECULATORS_PYTHON")
+
+
+@pytest.mark.skipif(not SPECULATORS_PYTHON, reason="the reference trainer's harness runs in speculators 0.9.0's own "
+                    "venv: set HEADSTART_SPECULATORS_PYTHON to its python (docs/measured.md, DFlash against the "
+                    "reference trainer)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_reference_forward_scores_headstart_heads_exactly(llama_dir, sd_dir, tmp_path, causal, one_thread):
+    """scripts/speculators_dflash/score.py (one evaluator for both trainers) loads headstart's heads into speculators'
+    DFlashDraftModel and must reproduce headstart's own held-out figures to the last digit."""
+    import json
+    import subprocess
+
+    metrics = main(args(llama_dir, sd_dir, tmp_path, "--max_steps", "40", "--block_causal", str(causal).lower()))
+    score = subprocess.run(
+        [SPECULATORS_PYTHON, str(REPO / "scripts/speculators_dflash/score.py"), "--target", str(llama_dir),
+         "--data_dir", str(sd_dir), "--eval_rows", "4", "--headstart_heads", str(tmp_path / "heads"),
+         "--out", str(tmp_path / "score.json")],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert score.returncode == 0, score.stderr[-2000:]
+    reference = json.loads((tmp_path / "score.json").read_text())
+    for key in ("top1", "top5", "rank_accuracy", "eval_positions", "chain_accepted_tokens"):
+        assert reference[key] == metrics[key], key
