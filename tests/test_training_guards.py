@@ -346,3 +346,17 @@ def test_a_trainer_help_shows_the_fields_comments(monkeypatch):
     text = " ".join(script_parser("headstart.train.medusa", monkeypatch).format_help().split())  # argparse wraps help texts
     assert "--num-epochs NUM_EPOCHS passes over the training rows (unless max_steps is set)" in text
     assert "-1 = 5% (at least 1)" in text
+
+
+def test_num_prompts_over_an_existing_dataset_says_it_does_not_apply(medusa_sd, tmp_path, capsys):
+    """A recipe's num_prompts self-distils only into an empty data_dir: over rows already there, one line says so and
+    the rows are used as they are."""
+    from headstart.train.loop import ensure_data
+    from headstart.train.medusa import MedusaTrainConfig
+
+    dataset, _ = ensure_data(MedusaTrainConfig(data_dir=str(medusa_sd), num_prompts=768, output_dir=str(tmp_path)))
+    assert len(dataset) == 24
+    assert capsys.readouterr().out == (f"{medusa_sd} already holds 24 self-distilled rows: num_prompts 768 applies only "
+                                       "to an empty data_dir (--train_rows trains on fewer of them)\n")
+    ensure_data(MedusaTrainConfig(data_dir=str(medusa_sd), num_prompts=24, output_dir=str(tmp_path)))
+    assert capsys.readouterr().out == ""

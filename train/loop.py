@@ -66,11 +66,18 @@ def ensure_data(cfg: TrainRunConfig):
         print(f"{data_dir} holds no self-distilled dataset: self-distilling first (train/selfdistill.py, recipe "
               f"{cfg.selfdistill_recipe or 'none'}, {overrides})")
         run_selfdistill(distill)
+        distilled_now = True
+    else:
+        distilled_now = False
     try:
-        return load_selfdistilled(data_dir)
+        dataset, meta = load_selfdistilled(data_dir)
     except Exception as err:  # datasets cannot even open a 0-row dataset saved in 0 shards
         raise DataError(f"could not read the self-distilled dataset in {data_dir}/dataset: it is empty or corrupt "
                         f"({err.__class__.__name__}: {err})") from err
+    if not distilled_now and cfg.num_prompts is not None and len(dataset) != cfg.num_prompts:
+        print(f"{data_dir} already holds {len(dataset)} self-distilled rows: num_prompts {cfg.num_prompts} applies only "
+              "to an empty data_dir (--train_rows trains on fewer of them)")
+    return dataset, meta
 
 
 def prepare_rows(dataset, meta: dict, target_info, cfg: TrainRunConfig):
