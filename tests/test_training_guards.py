@@ -360,3 +360,15 @@ def test_num_prompts_over_an_existing_dataset_says_it_does_not_apply(medusa_sd, 
                                        "to an empty data_dir (--train_rows trains on fewer of them)\n")
     ensure_data(MedusaTrainConfig(data_dir=str(medusa_sd), num_prompts=24, output_dir=str(tmp_path)))
     assert capsys.readouterr().out == ""
+
+
+def test_a_disk_cache_over_a_recipe_with_the_memory_cache_names_the_fix():
+    """The shipped recipes set feature_cache (in memory); adding --feature_cache_dir is refused with the flag that
+    switches the memory cache off, and with it the two go together."""
+    from headstart.train.dflash import DFlashTrainConfig, check_config
+
+    recipe = ["--config", str(Path(__file__).resolve().parents[1] / "recipes/smollm2-135m/dflash.yaml")]
+    with pytest.raises(ConfigError, match="add --feature_cache false to use the disk cache"):
+        check_config(parse_config(DFlashTrainConfig, recipe + ["--feature_cache_dir", "cache"]))
+    cfg = check_config(parse_config(DFlashTrainConfig, recipe + ["--feature_cache_dir", "cache", "--feature_cache", "false"]))
+    assert cfg.feature_cache_dir == "cache" and not cfg.feature_cache

@@ -112,7 +112,8 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
     check_number(cfg, "log_every", 1)
     check_number(cfg, "stop_after_steps", 1, unset=-1, unset_means="no early stop")
     if cfg.feature_cache and cfg.feature_cache_dir:
-        raise ConfigError("feature_cache (in memory) and feature_cache_dir (on disk) exclude each other: choose one")
+        raise ConfigError("feature_cache (in memory; the shipped recipes set it) and feature_cache_dir (on disk) exclude "
+                          "each other: add --feature_cache false to use the disk cache")
     if cfg.build_cache_only and not cfg.feature_cache_dir:
         raise ConfigError("build_cache_only needs feature_cache_dir")
     if cfg.feature_cache_writer not in ("target", "vllm"):
