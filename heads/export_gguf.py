@@ -352,8 +352,9 @@ def llamacpp_snippets(info: dict, model_ref: str) -> list[str]:
     if (info.get("served_speed") or {}).get("serve_without_draft"):
         return [f"llama-server -m {shlex.quote(target)}"]
     draft = shlex.quote(str(Path(model_ref) / GGUF_FILE))
+    spec_type = method_of(info["method"]).llamacpp_spec_type
     return [f"llama-server -m {shlex.quote(target)} --spec-draft-model {draft} "
-            f"--spec-type {method_of(info['method']).llamacpp_spec_type} --spec-draft-n-max {int(info['num_speculative_tokens'])}"]
+            f"--spec-type {spec_type} --spec-draft-n-max {int(info['num_speculative_tokens'])}"]
 
 
 def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:

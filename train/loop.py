@@ -54,7 +54,8 @@ def ensure_data(cfg: TrainRunConfig):
     from headstart.train.selfdistill import SelfDistillConfig, load_selfdistilled, run_selfdistill
 
     data_dir = Path(cfg.data_dir)
-    if not (data_dir / "dataset").is_dir() or not (data_dir / "meta.json").is_file():
+    already_there = (data_dir / "dataset").is_dir() and (data_dir / "meta.json").is_file()
+    if not already_there:
         overrides = {"target": cfg.target, "output_dir": str(data_dir)}
         if cfg.num_prompts is not None:
             overrides["num_prompts"] = cfg.num_prompts
@@ -66,15 +67,12 @@ def ensure_data(cfg: TrainRunConfig):
         print(f"{data_dir} holds no self-distilled dataset: self-distilling first (train/selfdistill.py, recipe "
               f"{cfg.selfdistill_recipe or 'none'}, {overrides})")
         run_selfdistill(distill)
-        distilled_now = True
-    else:
-        distilled_now = False
     try:
         dataset, meta = load_selfdistilled(data_dir)
     except Exception as err:  # datasets cannot even open a 0-row dataset saved in 0 shards
         raise DataError(f"could not read the self-distilled dataset in {data_dir}/dataset: it is empty or corrupt "
                         f"({err.__class__.__name__}: {err})") from err
-    if not distilled_now and cfg.num_prompts is not None and len(dataset) != cfg.num_prompts:
+    if already_there and cfg.num_prompts is not None and len(dataset) != cfg.num_prompts:
         print(f"{data_dir} already holds {len(dataset)} self-distilled rows: num_prompts {cfg.num_prompts} applies only "
               "to an empty data_dir (--train_rows trains on fewer of them)")
     return dataset, meta

@@ -115,6 +115,8 @@ def main():
     ap.add_argument("--headstart_heads")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.out and Path(a.out).exists():
+        raise SystemExit(f"error: {a.out} exists: give a new file for the scores (nothing is overwritten)")
 
     verifier = str(target_source(a.target))
     model = load_spec_ckpt(a.spec_ckpt, verifier) if a.spec_ckpt else load_headstart_heads(a.headstart_heads, verifier)
