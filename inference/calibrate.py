@@ -11,9 +11,10 @@ minority of rounds moves no median. The medians are then fitted with one non-dec
 deviation from their size's median ratio, relative to it, above `noise_limit`; one erratic size does not decide), the
 timings are flagged noisy and the choice falls back to a small default tree (`fallback_nodes` drafted nodes: on a CPU
 a verify of a few tokens costs about one step), never to plain decoding. So does a machine where other processes used
-more than BUSY_LIMIT CPU cores during the timings (from /proc/stat): a CPU hog beside a multi-threaded timing slows
-every size alike (the threads wait for each other), so the rounds agree and only the load tells that the timings are
-disturbed. `tree.json` records what was measured; `stale_reason` says when a recorded calibration must not be reused
+more than BUSY_LIMIT CPU cores beyond the ones the timing leaves idle (the usable cores less torch's threads) during
+the timings (from /proc/stat): a CPU hog on the timing's cores slows every size alike (the threads wait for each
+other), so the rounds agree and only the load tells that the timings are disturbed. A one-thread timing on two cores
+leaves one idle, so a one-thread job beside it does not count as busy. `tree.json` records what was measured; `stale_reason` says when a recorded calibration must not be reused
 (noisy, no tree, another device, thread count or linear kernel, an older format).
 """
 
@@ -47,7 +48,7 @@ NOISE_LIMIT = 0.15  # above this relative median absolute deviation of all sizes
 FALLBACK_NODES = 2  # drafted nodes of the tree used when timings are too noisy (a 3-node tree: cheap on a CPU too)
 NEAR_BEST = 0.05  # sizes within this fraction of the best expected tokens/s count as tied (see calibrate_tree)
 KEEP_MARGIN = 0.10  # a reference tree is kept unless more than this fraction below the best (see calibrate_tree)
-BUSY_LIMIT = 0.5  # CPU cores other processes used on average during the timings: above this, the machine is busy
+BUSY_LIMIT = 0.5  # CPU cores other processes used on average on the timing's cores: above this, the machine is busy
 Timer = Callable[[str, int, Callable[[], None]], float]  # (kind "step" | "draft", tree size, run) -> ms
 
 
@@ -76,13 +77,15 @@ class TreeCalibration:
     chosen_by: str  # "measurement", "measurement, the previous tree kept", "measurement, the prior curve's tree kept",
     # "fallback: too noisy" or "fallback: machine busy"
     other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
+    idle_cores: float = 0.0  # cores the timing left to other processes (usable cores less torch's threads)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
 
     def fallback_reason(self) -> str:
         """Why the timings were not trusted, for a note to the user."""
         if self.chosen_by == "fallback: machine busy":
-            return (f"other processes used {self.other_cores:.1f} CPU cores during the tree timings (> {BUSY_LIMIT}): "
-                    "they measured the machine's load, not the tree (rerun when it is quiet; --threads 1 helps)")
+            return (f"other processes used {self.other_cores:.1f} CPU cores during the tree timings (> {BUSY_LIMIT} beyond "
+                    f"the {self.idle_cores:g} the timing left idle): they measured the machine's load, not the tree "
+                    "(rerun when it is quiet; --threads 1 helps)")
         worst = max(self.spread, key=self.spread.get)
         return (f"tree timings too noisy to trust (spread over all sizes {self.pooled_spread:.2f} > "
                 f"{self.noise_limit}; the worst size {worst}: {self.spread[worst]:.2f})")
@@ -194,6 +197,12 @@ def busy_reading() -> tuple[float | None, float]:
     return others, time.perf_counter()
 
 
+def idle_cores_now() -> float:
+    """CPU cores this process may run on (its affinity) that torch's threads leave to other processes."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return float(max(usable - torch.get_num_threads(), 0))
+
+
 def others_cores(before: tuple[float | None, float], after: tuple[float | None, float]) -> float | None:
     """Average CPU cores other processes used between two busy_readings; None when unknown or too short to tell
     (under 1 s: /proc/stat counts in 10 ms ticks)."""
@@ -241,6 +250,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
                    timer: Timer | None = None, noise_limit: float = NOISE_LIMIT,
                    fallback_nodes: int = FALLBACK_NODES,
                    busy_probe: Callable[[], tuple[float | None, float]] | None = None,
+                   idle_cores: float | None = None,
                    previous: Sequence[Sequence[int]] | None = None) -> TreeCalibration:
     """Pick the tree size by expected tokens/s = expected accepted length / (verify + draft time). The optimum is
     often flat over several sizes (on a CPU, 3 to 12 nodes within a few percent), so sizes within NEAR_BEST of the
@@ -257,12 +267,14 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     tree of that size and depth), per size. Each size n is timed as one tree forward of n tokens over a cache of
     `prefix_len` tokens (the best tree of n nodes for `accuracy`, so the mask is the real one); accuracy[d][r] is
     the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented prior, see inference/tree.py) when None.
-    `repeats` rounds, round-robin; `timer(kind, size, run) -> ms` (default: wall clock) can be scripted in tests.
+    `repeats` rounds, round-robin; `timer(kind, size, run) -> ms` (default: wall clock) can be scripted in tests, as can
+    `busy_probe` (default: /proc/stat) and `idle_cores` (default: idle_cores_now()).
     Sizes are compared by their per-round ratio to the 1-token step (size 1 is always timed); see the module
     docstring for the noise check and the fallback. About (sizes x repeats) target forwards.
     """
     timer = timer or time_ms
     busy_probe = busy_probe or busy_reading
+    idle_cores = idle_cores_now() if idle_cores is None else idle_cores
     sizes = sorted(set(sizes) | {1})
     source = "heads" if accuracy is not None else "default prior"
     accuracy = [list(row) for row in (accuracy if accuracy is not None else DEFAULT_ACCURACY)]
@@ -299,7 +311,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for run in runs.values():
         run()  # warm-up
     before = busy_probe()
-    busy_now = lambda: device.type == "cpu" and (others_cores(before, busy_probe()) or 0.0) > BUSY_LIMIT  # noqa: E731
+    busy_now = lambda: device.type == "cpu" and (others_cores(before, busy_probe()) or 0.0) > idle_cores + BUSY_LIMIT  # noqa: E731
     samples = timed_rounds(runs, max(1, repeats), timer, stop=busy_now)  # a busy machine: no more rounds
     other_cores = others_cores(before, busy_probe())
     one = samples[("step", 1)]  # the 1-token step of each round: every other timing is read relative to it
@@ -316,7 +328,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for size, choices in per_size_choices.items():
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
-    busy = device.type == "cpu" and other_cores is not None and other_cores > BUSY_LIMIT
+    busy = device.type == "cpu" and other_cores is not None and other_cores > idle_cores + BUSY_LIMIT
     noisy = pooled_spread > noise_limit or busy
     kept = ""
     if noisy:
@@ -340,7 +352,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
         chosen_by=("fallback: machine busy" if busy else "fallback: too noisy" if noisy
                    else f"measurement, the {kept} tree kept" if kept else "measurement"),
-        other_cores=other_cores, choices_by_size=per_size_choices)
+        other_cores=other_cores, idle_cores=idle_cores, choices_by_size=per_size_choices)
 
 
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:

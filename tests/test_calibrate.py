@@ -123,14 +123,21 @@ def test_a_busy_machine_falls_back_to_the_default_tree_and_says_so(model_and_hea
         readings = iter([(10.0, 100.0)])  # the first reading, then others_cpu_s more 2 s later
         return lambda: next(readings, (10.0 + others_cpu_s, 102.0))
 
-    calib = calibrate(model_and_heads, ScriptedTimer(lambda kind, size, r: 100.0), busy_probe=probe(3.0))
+    hogged = lambda others_cpu_s, idle: calibrate(  # noqa: E731
+        model_and_heads, ScriptedTimer(lambda kind, size, r: 100.0), busy_probe=probe(others_cpu_s), idle_cores=idle)
+    calib = hogged(3.0, 0.0)  # the timing's threads on every core
     assert calib.noisy and calib.chosen_by == "fallback: machine busy" and calib.other_cores == 1.5
     assert calib.rounds == 1  # no more rounds once the load is seen (a hogged CPU can take seconds a step)
     assert calib.choices == best_choices(ACCURACY, FALLBACK_NODES) and max(calib.spread.values()) == 0.0
-    assert "1.5 CPU cores" in calib.fallback_reason()
-    calm = calibrate(model_and_heads, ScriptedTimer(), busy_probe=probe(0.2))  # 0.1 core: the choice is measured
+    assert "1.5 CPU cores" in calib.fallback_reason() and "the 0 the timing left idle" in calib.fallback_reason()
+    calm = calibrate(model_and_heads, ScriptedTimer(), busy_probe=probe(0.2), idle_cores=0.0)  # 0.1 core: measured
     assert calm.chosen_by == "measurement" and calm.choices == QUIET_CHOICE and calm.rounds == ROUNDS
     assert calm.other_cores == pytest.approx(0.1)
+    # a one-thread timing on two cores leaves one idle: a one-core job beside it is not a hog, a second one is
+    beside = hogged(2.8, 1.0)  # 1.4 cores: within the idle core + BUSY_LIMIT
+    assert beside.chosen_by.startswith("measurement") and beside.rounds == ROUNDS and beside.idle_cores == 1.0
+    crowded = hogged(3.2, 1.0)  # 1.6 cores
+    assert crowded.chosen_by == "fallback: machine busy" and crowded.rounds == 1
 
 
 def test_others_cores_reads_proc_stat_and_needs_a_second():
