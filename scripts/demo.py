@@ -210,7 +210,8 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
         lines.append(f"| {name} | reused | - |" if st.get("reused") else
                      f"| {name} | {st['minutes']:.1f} | {st['cpu_minutes']:.1f} |")
     lines += ["", "Next:",
-              "- the full recipes (768 prompts; Medusa-1, EAGLE-3, EAGLE-1): docs/training.md",
+              f"- the full recipes (768 prompts), one per method ({', '.join(recipe_methods())}): "
+              "recipes/smollm2-135m/, docs/training.md",
               "- your own target on a GPU: `python train/selfdistill.py --target HUB_ID --device cuda --dtype bfloat16 "
               "--output_dir runs/sd-mine`, then `accelerate launch train/eagle.py --config "
               "recipes/llama-3.1-8b-instruct/eagle3.yaml` (or its qwen2.5-7b-instruct sibling)",
@@ -218,6 +219,11 @@ def summary(cfg: DemoConfig, stages: dict, results: dict, heads_metrics: dict, r
               "--prompt \"Write a haiku about tea\"`",
               f"- the full report and plot: {cfg.output_dir}/bench/results.md, {cfg.output_dir}/bench/speedup.png"]
     return "\n".join(lines) + "\n"
+
+
+def recipe_methods() -> list[str]:
+    """The methods the embedded target has a recipe for (every recipes/smollm2-135m/*.yaml but self-distillation's)."""
+    return sorted(p.stem for p in Path(in_repo("recipes/smollm2-135m")).glob("*.yaml") if p.stem != "selfdistill")
 
 
 def in_engines(cfg: DemoConfig, heads_metrics: dict) -> list[str]:

@@ -272,6 +272,8 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         out = Path(parse_config(importlib.import_module(module).DemoConfig, args).output_dir)
         assert (out / "bench" / "results.json").is_file() and (out / "stages.json").is_file()
         assert "| Medusa-1 +lookup |" in printed and "Next:" in printed and (out / "summary.md").read_text() in printed
+        recipes = sorted(p.stem for p in (ROOT / "recipes" / "smollm2-135m").glob("*.yaml") if p.stem != "selfdistill")
+        assert f"one per method ({', '.join(recipes)})" in printed and "dspark" in recipes  # every recipe, DSpark's too
         assert "Speedup by task family:" in printed and "| writing |" in printed
         assert "In an engine" in printed and "- vLLM: " in printed and "--format vllm" in printed
     elif module == "headstart.heads.export" and last_value(args, "--format") == "llamacpp":
