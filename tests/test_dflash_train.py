@@ -82,6 +82,35 @@ def test_block_mask_sees_only_the_past_and_its_own_block():
                                              [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
 
 
+def test_blocks_stop_at_the_batch_s_most_anchors_and_padding_blocks_change_nothing(one_thread):
+    """K is the most anchors any row of the batch gets, not anchors_per_row: a row with fewer is padded with
+    unsupervised blocks, and the real blocks' outputs are the same with or without more padding blocks after them."""
+    cfg = DFlashTrainConfig(block_size=3)
+    batch = {"input_ids": torch.arange(20).view(2, 10) + 20, "attention_mask": torch.ones(2, 10, dtype=torch.long),
+             "loss_mask": torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 0, 1, 1, 0, 0]]),
+             "rows": torch.tensor([0, 1])}
+    blocks = block_inputs(batch, cfg, mask_token_id=9, step=3, anchors=64)
+    assert blocks["labels"].shape == (2, 5, 2)  # row 0 has 5 valid anchors (3..7), row 1 one (6)
+    assert blocks["supervised"][0, :, 0].all() and blocks["supervised"][1, :, 0].tolist() == [True] + [False] * 4
+    assert torch.equal(blocks["tokens"], block_inputs(batch, cfg, 9, 3, anchors=5)["tokens"])
+    model = tiny_model("llama", num_hidden_layers=4)
+    draft = random_draft(model, block_size=3)
+    taps = torch.randn(2, 10, 3 * 64)
+    run = lambda b: BlockDraft(draft)(taps, b["tokens"], model.get_input_embeddings()(b["tokens"]),  # noqa: E731
+                                      b["positions"], b["mask"])
+    padded = dict(blocks)  # 3 more padding blocks per row, as the old fixed K = anchors_per_row gave
+    extra = 9
+    padded["tokens"] = torch.cat([blocks["tokens"], torch.full((2, extra), 9)], 1)
+    padded["positions"] = torch.cat([blocks["positions"], torch.zeros(2, extra, dtype=torch.long)], 1)
+    Q = blocks["tokens"].shape[1]
+    mask = torch.zeros(2, 1, Q + extra, 10 + Q + extra, dtype=torch.bool)
+    mask[:, :, :Q, :10 + Q] = blocks["mask"]
+    mask[:, :, Q:, 10 + Q:] = True  # padding blocks see only themselves
+    padded["mask"] = mask
+    with torch.no_grad():
+        assert torch.allclose(run(padded)[:, :Q], run(blocks), atol=1e-6)
+
+
 @pytest.mark.parametrize("model_type,causal", [("llama", False), ("qwen2", False), ("llama", True)])
 def test_training_blocks_equal_the_inference_cache(model_type, causal, one_thread):
     """Two blocks drawn in one training forward give what inference computes for each: the context's keys and values

@@ -137,8 +137,10 @@ def pick_anchors(valid: torch.Tensor, count: int, seed: int, step: int | None, r
 
 
 def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: int | None, anchors: int) -> dict:
-    """The blocks of a collated batch (with `rows`). K = `anchors` blocks per row (padding blocks have no
-    supervised slot), Bk = block_size, Q = K * Bk:
+    """The blocks of a collated batch (with `rows`). Up to `anchors` blocks per row; K = the most any row of the batch
+    gets (a row with fewer valid anchors is padded with blocks that have no supervised slot; a block attends only to
+    its own block and the context, so K beyond that would be padding compute and change nothing), Bk = block_size,
+    Q = K * Bk:
 
     tokens [B, Q] (anchor then mask tokens per block), positions [B, Q], mask bool [B, 1, Q, T + Q] (a block sees the
     positions < its anchor of its own row and its whole block, with block_causal its slots up to the query's), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
@@ -146,14 +148,15 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()
     B, T = ids.shape
-    Bk, K = cfg.block_size, anchors
     device = ids.device
+    chosen = [pick_anchors(valid_anchors(loss_mask[b].cpu(), lengths[b]), anchors, cfg.seed, step, r)
+              for b, r in enumerate(batch["rows"].tolist())]
+    Bk, K = cfg.block_size, max(1, max(c.numel() for c in chosen))
     anchor_pos = torch.zeros(B, K, dtype=torch.long)
     real = torch.zeros(B, K, dtype=torch.bool)
-    for b, r in enumerate(batch["rows"].tolist()):
-        chosen = pick_anchors(valid_anchors(loss_mask[b].cpu(), lengths[b]), K, cfg.seed, step, r)
-        anchor_pos[b, : chosen.numel()] = chosen
-        real[b, : chosen.numel()] = True
+    for b, row_anchors in enumerate(chosen):
+        anchor_pos[b, : row_anchors.numel()] = row_anchors
+        real[b, : row_anchors.numel()] = True
     anchor_pos, real = anchor_pos.to(device), real.to(device)
     offsets = torch.arange(Bk, device=device)
     positions = anchor_pos[:, :, None] + offsets  # [B, K, Bk]
