@@ -14,8 +14,9 @@ a verify of a few tokens costs about one step), never to plain decoding. So does
 more than BUSY_LIMIT CPU cores beyond the ones the timing leaves idle (the usable cores less torch's threads) during
 the timings (from /proc/stat): a CPU hog on the timing's cores slows every size alike (the threads wait for each
 other), so the rounds agree and only the load tells that the timings are disturbed. A one-thread timing on two cores
-leaves one idle, so a one-thread job beside it does not count as busy. `tree.json` records what was measured; `stale_reason` says when a recorded calibration must not be reused
-(noisy, no tree, another device, thread count or linear kernel, an older format).
+leaves one idle, so a one-thread job beside it does not count as busy. `tree.json` records what was measured;
+`stale_reason` says when a recorded calibration must not be reused (noisy, no tree, another device, thread count or
+linear kernel, an older format).
 """
 
 from __future__ import annotations
@@ -311,7 +312,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for run in runs.values():
         run()  # warm-up
     before = busy_probe()
-    busy_now = lambda: device.type == "cpu" and (others_cores(before, busy_probe()) or 0.0) > idle_cores + BUSY_LIMIT  # noqa: E731
+    busy_above = idle_cores + BUSY_LIMIT  # other processes' cores beyond which the timings measure the load
+    busy_now = lambda: device.type == "cpu" and (others_cores(before, busy_probe()) or 0.0) > busy_above  # noqa: E731
     samples = timed_rounds(runs, max(1, repeats), timer, stop=busy_now)  # a busy machine: no more rounds
     other_cores = others_cores(before, busy_probe())
     one = samples[("step", 1)]  # the 1-token step of each round: every other timing is read relative to it
@@ -328,7 +330,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     for size, choices in per_size_choices.items():
         draft = draft_ratio[0 if draft_for is None else size] if size > 1 else 0.0  # one node: plain decoding
         expected[size] = 1000.0 * expected_accept_length(choices, accuracy) / (one_ms * (fitted[size] + draft))
-    busy = device.type == "cpu" and other_cores is not None and other_cores > idle_cores + BUSY_LIMIT
+    busy = device.type == "cpu" and other_cores is not None and other_cores > busy_above
     noisy = pooled_spread > noise_limit or busy
     kept = ""
     if noisy:
