@@ -359,22 +359,26 @@ COMMANDS = all_commands()
 TO_RUN = commands_to_run(COMMANDS)
 
 
-@pytest.mark.parametrize("where,command", [(w, c) for _, w, c in TO_RUN], ids=[f"{w}:{i}" for i, w, _ in TO_RUN])
-def test_documented_command_runs(where, command, workdir, docs_target, monkeypatch, one_thread, request):
-    module, args = script_and_args(command)
+def skip_reason(module: str, args: list[str]) -> str | None:
+    """Why a documented command cannot run here (an engine it needs is another lane's), or None."""
     if module == "headstart.inference.vllm_check" or module.startswith("vllm."):
-        pytest.skip("vLLM's own commands need vLLM and heads trained on the embedded target: the vLLM lane (tests/test_vllm.py, with "
-                    "HEADSTART_VLLM_PYTHON and HEADSTART_VLLM_HEADS) makes the same comparison")
+        return ("vLLM's own commands need vLLM and heads trained on the embedded target: the vLLM lane (tests/test_vllm.py, with "
+                "HEADSTART_VLLM_PYTHON and HEADSTART_VLLM_HEADS) makes the same comparison")
     if module == "headstart.inference.llamacpp_check":
-        pytest.skip("llama.cpp's own commands need llama-server and heads trained on the embedded target: the llama.cpp "
-                    "lane (tests/test_llamacpp.py, with HEADSTART_LLAMACPP_SERVER and HEADSTART_LLAMACPP_HEADS) runs them")
+        return ("llama.cpp's own commands need llama-server and heads trained on the embedded target: the llama.cpp "
+                "lane (tests/test_llamacpp.py, with HEADSTART_LLAMACPP_SERVER and HEADSTART_LLAMACPP_HEADS) runs them")
+    if module == "headstart.train.selfdistill" and last_value(args, "--backend") == "vllm":
+        return "--backend vllm needs vLLM: the vLLM lane of tests/test_selfdistill_engines.py (HEADSTART_VLLM_PYTHON) runs it"
+    return None
+
+
+def run_documented(where: str, command: str, docs_target: str, request) -> None:
+    """Run one documented command, reduced, in the current (scratch) directory, and check what it leaves."""
+    module, args = script_and_args(command)
     backend = last_value(args, "--backend") if module == "headstart.train.selfdistill" else None
-    if backend == "vllm":
-        pytest.skip("--backend vllm needs vLLM: the vLLM lane of tests/test_selfdistill_engines.py (HEADSTART_VLLM_PYTHON) runs it")
     args = reduce_args(module, args, docs_target)
     if backend == "openai":  # the servers shown are vLLM's: a fake one on the tiny target answers instead
         args += ["--server_url", request.getfixturevalue("docs_server").url]
-    monkeypatch.chdir(workdir)
     before = written_at(module, args)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -392,10 +396,38 @@ def test_documented_command_runs(where, command, workdir, docs_target, monkeypat
         assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 
 
-def test_readme_python_runs(workdir, monkeypatch, one_thread):
+STARTED: set[int] = set()  # indices into TO_RUN's commands already started in this module's scratch directory
+
+
+def run_earlier(index: int, docs_target: str, request) -> None:
+    """Run the documented commands before TO_RUN's `index` that have not run yet. A command may read what an earlier
+    one wrote (`runs/...`): a test selected alone (`-k`) finds it there, as a reader who followed the docs would. In a
+    whole-file run they have run already."""
+    for earlier, where, command in TO_RUN:
+        if earlier >= index:
+            break
+        if earlier not in STARTED and skip_reason(*script_and_args(command)) is None:
+            STARTED.add(earlier)
+            run_documented(where, command, docs_target, request)
+
+
+@pytest.mark.parametrize("index,where,command", TO_RUN, ids=[f"{w}:{i}" for i, w, _ in TO_RUN])
+def test_documented_command_runs(index, where, command, workdir, docs_target, monkeypatch, one_thread, request):
+    monkeypatch.chdir(workdir)
+    run_earlier(index, docs_target, request)
+    STARTED.add(index)
+    reason = skip_reason(*script_and_args(command))
+    if reason is not None:
+        pytest.skip(reason)
+    run_documented(where, command, docs_target, request)
+
+
+def test_readme_python_runs(workdir, docs_target, monkeypatch, one_thread, request):
     blocks = readme_python_blocks()
     assert blocks, "README shows no Python example"
-    monkeypatch.chdir(workdir)  # after the commands above: runs/medusa-smollm2/heads exists
+    monkeypatch.chdir(workdir)
+    first_after_readme = next((i for i, where, _ in TO_RUN if where != "README"), len(COMMANDS))
+    run_earlier(first_after_readme, docs_target, request)  # the README's commands: runs/medusa-smollm2/heads
     for block in blocks:
         namespace: dict = {}
         with contextlib.redirect_stdout(io.StringIO()):
