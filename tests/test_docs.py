@@ -396,7 +396,7 @@ def run_documented(where: str, command: str, docs_target: str, request) -> None:
         assert written_at(module, args) > before, f"{where}: `{command}` wrote no heads"
 
 
-STARTED: set[int] = set()  # indices into TO_RUN's commands already started in this module's scratch directory
+STARTED: set[int] = set()  # COMMANDS indices (TO_RUN's first field) already started in this module's scratch directory
 
 
 def run_earlier(index: int, docs_target: str, request) -> None:
