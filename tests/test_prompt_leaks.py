@@ -1,5 +1,5 @@
-"""No training source yields a prompt of an evaluation source: HumanEval, the family left out of training, and every
-held-out split. A prompt (all its user turns) is compared after folding white space and case; a held-out passage or
+"""No training source yields a prompt of an evaluation source: the family left out of training and every held-out
+split. A prompt (all its user turns) is compared after folding white space and case; a held-out passage or
 sentence must not appear inside any training prompt either."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import yaml
 from headstart.heads.prompts import MIX, PromptSourceError, load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
-EVAL_SOURCES = ["humaneval", "writing", "mix:heldout", "chitchat:heldout", "pycode:heldout", "passages:heldout",
+EVAL_SOURCES = ["writing", "mix:heldout", "chitchat:heldout", "pycode:heldout", "passages:heldout",
                 "translate:heldout", "math:heldout"]
 
 
@@ -58,7 +58,7 @@ def test_heldout_passages_and_sentences_are_in_no_training_prompt():
     assert not [s for s in sample if s in train_text]
 
 
-@pytest.mark.parametrize("spec", ["writing:train", "humaneval:train", "mix", "mix:all"])
+@pytest.mark.parametrize("spec", ["writing:train", "mix", "mix:all"])
 def test_evaluation_only_sources_refuse_training_splits(spec):
     with pytest.raises(PromptSourceError):
         load_prompts(spec)
