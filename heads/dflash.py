@@ -9,7 +9,9 @@ trained `mask_embedding` (vLLM reads it from `mask_embedding.pt`). In every draf
   keys/values of the context: k_norm(k_proj(ctx_s)), v_proj(ctx_s) for every position s < p (the layer's own
     projections of the same fused context; the context has no residual stream of its own), and
   keys/values of the whole block (bidirectional inside the block), or with `block_causal` of block slots 0..j only,
-with RoPE at absolute positions. Block slot j (1 .. block_size - 1) then predicts the token at position p + j
+with RoPE at absolute positions. With `sliding_window` W > 0 a query at position q sees only the context positions s
+with q - s < W (standard sliding-window attention, as vLLM's `dflash_config.use_swa` and llama.cpp's
+`attention.sliding_window` run it; W >= block_size, so the whole block stays in view). Block slot j (1 .. block_size - 1) then predicts the token at position p + j
 through `norm` and the target's frozen lm_head (no shift: slot j's output scores x_{p+j}); slot 0's is unused.
 The layers are Qwen3 decoder layers (q_norm / k_norm per head) of the target's width; embeddings and lm_head are the
 target's and are not stored.
@@ -59,6 +61,9 @@ class DFlashConfig:
     # True: block slot j attends to block slots 0..j only (speculators' DFlash default; a slot's guess then does not
     # depend on how many slots follow it); False: to the whole block. Absent from a config.json: False (older drafts)
     block_causal: bool = False
+    # > 0: every draft layer sees only the context positions s with q - s < sliding_window from a query at q (the
+    # recent context; the block stays in view); 0: the whole context. Absent from a config.json: 0 (older drafts)
+    sliding_window: int = 0
     target: dict = field(default_factory=dict)  # headstart.heads.target.TargetInfo.to_dict() of the target
 
     def __post_init__(self):
@@ -70,6 +75,9 @@ class DFlashConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} must be a target token id in 0..{self.vocab_size - 1}")
         if not self.feature_layers:
             raise ValueError("feature_layers is empty: the draft needs at least one target layer to read")
+        if self.sliding_window and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} must be 0 (the whole context) or >= block_size "
+                             f"{self.block_size}, so the block stays in view")
 
 
 def default_feature_layers(num_hidden_layers: int, taps: int = DEFAULT_TAPS) -> list[int]:
@@ -82,7 +90,7 @@ def default_feature_layers(num_hidden_layers: int, taps: int = DEFAULT_TAPS) -> 
 
 def dflash_config_for(model, num_layers: int = 2, block_size: int = 8, mask_token_id: int = 0,
                       feature_layers: list[int] | None = None, draft_vocab_size: int = 0,
-                      target_info: Any = None, block_causal: bool = False) -> DFlashConfig:
+                      target_info: Any = None, block_causal: bool = False, sliding_window: int = 0) -> DFlashConfig:
     """A DFlashConfig whose layers have the target's width (hidden, heads, MLP, RoPE, norm eps)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -100,8 +108,17 @@ def dflash_config_for(model, num_layers: int = 2, block_size: int = 8, mask_toke
         mask_token_id=mask_token_id,
         feature_layers=list(feature_layers) if feature_layers else default_feature_layers(text.num_hidden_layers),
         layer_config=layer_config, draft_vocab_size=draft_vocab_size, block_causal=block_causal,
+        sliding_window=sliding_window,
         target=target_info.to_dict() if hasattr(target_info, "to_dict") else dict(target_info or {}),
     )
+
+
+def in_window(query_positions: torch.Tensor, key_positions: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """query_positions [..., Q], key_positions [S] -> bool [..., Q, S]: the context key at s is in the query at q's
+    sliding window (q - s < sliding_window; everything when sliding_window is 0)."""
+    if not sliding_window:
+        return torch.ones(*query_positions.shape, key_positions.numel(), dtype=torch.bool, device=query_positions.device)
+    return (query_positions[..., None] - key_positions) < sliding_window
 
 
 class DFlashAttention(nn.Module):
@@ -197,14 +214,18 @@ class DFlashDraft(DraftVocabHeads):
         return x
 
     def decode_mask(self, context_len: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The attention mask of one block after `context_len` cached positions at inference: None (everything) for a
-        bidirectional block; with block_causal bool [1, 1, Bk, context_len + Bk], slot j seeing the context and
-        block slots 0..j."""
-        if not self.config.block_causal:
+        """The attention mask of one block at positions context_len .. context_len + Bk - 1 after `context_len` cached
+        positions at inference: None (everything) for a bidirectional block that sees its whole context; else bool
+        [1, 1, Bk, context_len + Bk]: the context in each slot's sliding window, the block (with block_causal slots
+        0..j only)."""
+        cfg, Bk = self.config, self.config.block_size
+        if not cfg.block_causal and (not cfg.sliding_window or context_len + Bk <= cfg.sliding_window):
             return None
-        Bk = self.config.block_size
-        block = torch.ones(Bk, Bk, dtype=torch.bool, device=device).tril()
-        context = torch.ones(Bk, context_len, dtype=torch.bool, device=device)
+        block = torch.ones(Bk, Bk, dtype=torch.bool, device=device)
+        if cfg.block_causal:
+            block = block.tril()
+        queries = torch.arange(context_len, context_len + Bk, device=device)
+        context = in_window(queries, torch.arange(context_len, device=device), cfg.sliding_window)
         return torch.cat([context, block], dim=1)[None, None]
 
     def logits(self, out: torch.Tensor, scored_weight: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,9 @@ Engine conventions (the layouts vLLM's and SGLang's EAGLE / Medusa loaders and S
   the file vLLM substitutes for the mask token's embedding row. `token_map` itself is not shipped (an unknown tensor is an error there). The block is set by num_speculative_tokens alone, so
   the launch command gives block_size - 1 (the block attends both ways: another length changes every slot).
   `dflash_config.causal` says whether block slot j attends to slots 0..j only (`block_causal`; vLLM reads it for
-  every layer) or to the whole block.
+  every layer) or to the whole block. A draft with a sliding window over the context (`sliding_window` W) gets
+  `dflash_config.use_swa: true` and `swa_window_size: W`, which windows every layer (vLLM's
+  `_resolve_layer_attention`).
   vLLM 0.32's CPU kernel normalises every layer's context keys with layer 0's k_norm (docs/serving.md); a draft of
   several layers with distinct k_norm weights is exported as trained and the note says so.
 - Qwen2-family drafts (q/k/v biases, no o_proj bias) are written as Llama layers with `attention_bias: true` and a
@@ -349,6 +351,8 @@ def dflash_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
                   dflash_config={"target_layer_ids": sorted(i - 1 for i in cfg.feature_layers),
                                  "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
                                  "causal": cfg.block_causal})  # vLLM's per-layer causality inside the block
+    if getattr(cfg, "sliding_window", 0):  # every layer windowed over the context (vLLM's _resolve_layer_attention)
+        config["dflash_config"].update(use_swa=True, swa_window_size=cfg.sliding_window)
     notes = {"layer_ids": f"vLLM target_layer_ids {config['dflash_config']['target_layer_ids']} = HF hidden_states "
                           f"{sorted(cfg.feature_layers)} (vLLM's k is hidden_states[k + 1])",
              "block": f"serve with num_speculative_tokens {k} (the trained block, anchor included, "

@@ -27,7 +27,9 @@ conversion/llama.py (EAGLE-3) and conversion/qwen.py (DFlash / DSpark); docs/ser
   by a row lookup in token_embd, the draft's own if it has one, else the target's: headstart trains its own mask
   embedding, so the draft ships the target's embedding table with that row replaced (the converter's way too), and
   then its own `output` (without one llama.cpp would score with that table). The draft is run with
-  block = n_max + 1 tokens, so the command drafts block_size - 1 tokens.
+  block = n_max + 1 tokens, so the command drafts block_size - 1 tokens. A sliding window (`sliding_window` W) is
+  `dflash.attention.sliding_window` W with every layer in `dflash.attention.sliding_window_pattern` (llama.cpp's
+  standard window: a query at q sees positions s with q - s < W).
 - Medusa and EAGLE-1: llama.cpp has no such drafter: refused.
 """
 
@@ -291,6 +293,9 @@ def dflash_gguf(heads, target) -> GgufDraft:
     draft = GgufDraft("dflash")
     _base_metadata(draft, layer, cfg.num_layers, f"headstart DFlash draft for {cfg.target.get('name')}")
     draft.add("dflash.block_size", int(cfg.block_size), T.UINT32)
+    if getattr(cfg, "sliding_window", 0):  # llama.cpp's optional per-layer sliding window (standard: q - s < W)
+        draft.add("dflash.attention.sliding_window", int(cfg.sliding_window), T.UINT32)
+        draft.add("dflash.attention.sliding_window_pattern", [True] * cfg.num_layers, T.ARRAY, T.BOOL)
     draft.add("dflash.target_layers", [int(i) for i in cfg.feature_layers], T.ARRAY, T.INT32)
     draft.add("tokenizer.ggml.mask_token_id", int(cfg.mask_token_id), T.UINT32)  # the target's tokenizer: below
     tensors = {"fc.weight": state["fc.weight"], "enc.output_norm.weight": state["hidden_norm.weight"],

@@ -29,10 +29,11 @@ def args(target_dir, data_dir, out, *extra) -> list[str]:
             "--draft_vocab_size", "64"] + [str(e) for e in extra]
 
 
-def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0, block_causal: bool = False) -> DFlashDraft:
+def random_draft(model, block_size: int = 4, num_layers: int = 2, seed: int = 0, block_causal: bool = False,
+                 sliding_window: int = 0) -> DFlashDraft:
     torch.manual_seed(seed)
     draft = DFlashDraft(dflash_config_for(model, num_layers, block_size, mask_token_id=5, feature_layers=[1, 2, 3],
-                                          block_causal=block_causal))
+                                          block_causal=block_causal, sliding_window=sliding_window))
     with torch.no_grad():  # norms away from 1 and a mask embedding, so a wrong norm or embedding shows
         for name, p in draft.named_parameters():
             if "norm" in name:
@@ -80,6 +81,13 @@ def test_block_mask_sees_only_the_past_and_its_own_block():
     assert torch.equal(causal[:, :10], mask[:, :10])  # the context rule is unchanged
     assert causal[:, 10:].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
                                              [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    windowed = block_inputs(batch, DFlashTrainConfig(block_size=3, sliding_window=4), 9, None, 2)["mask"][0, 0]
+    assert windowed[:, :10].int().tolist() == [  # a query at q sees the context s < its anchor with q - s < 4
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 1, 0, 0, 0]]
+    assert torch.equal(windowed[:, 10:], mask[:, 10:])  # the block stays in view
+    with pytest.raises(ConfigError, match="sliding_window 2 must be 0"):
+        check_config(DFlashTrainConfig(block_size=3, sliding_window=2))
 
 
 def test_blocks_stop_at_the_batch_s_most_anchors_and_padding_blocks_change_nothing(one_thread):
@@ -111,13 +119,15 @@ def test_blocks_stop_at_the_batch_s_most_anchors_and_padding_blocks_change_nothi
         assert torch.allclose(run(padded)[:, :Q], run(blocks), atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type,causal", [("llama", False), ("qwen2", False), ("llama", True)])
-def test_training_blocks_equal_the_inference_cache(model_type, causal, one_thread):
+@pytest.mark.parametrize("model_type,causal,window", [("llama", False, 0), ("qwen2", False, 0), ("llama", True, 0),
+                                                      ("llama", False, 6), ("llama", True, 6)])
+def test_training_blocks_equal_the_inference_cache(model_type, causal, window, one_thread):
     """Two blocks drawn in one training forward give what inference computes for each: the context's keys and values
     appended in pieces (as the decode loop commits accepted tokens), then the block alone under decode_mask (none
-    for a bidirectional block)."""
+    for a bidirectional block over its whole context). With a sliding window of 6 the training mask is built here by
+    the rule (q - s < 6), so both sides are checked against it."""
     model = tiny_model(model_type, num_hidden_layers=4)
-    draft = random_draft(model, block_size=4, block_causal=causal)
+    draft = random_draft(model, block_size=4, block_causal=causal, sliding_window=window)
     T = 12
     taps = torch.randn(1, T, 3 * 64)
     anchors = [5, 9]
@@ -126,8 +136,11 @@ def test_training_blocks_equal_the_inference_cache(model_type, causal, one_threa
     embeds = model.get_input_embeddings()(tokens)
     mask = torch.zeros(1, 1, 8, T + 8, dtype=torch.bool)
     for k, p in enumerate(anchors):
-        mask[0, 0, 4 * k : 4 * k + 4, :p] = True
+        for j in range(4):
+            mask[0, 0, 4 * k + j, :p] = True if not window else (p + j - torch.arange(p)) < window
         mask[0, 0, 4 * k : 4 * k + 4, T + 4 * k : T + 4 * k + 4] = torch.ones(4, 4).tril().bool() if causal else True
+    if window:
+        assert not mask[0, 0, 7, :7].any() and mask[0, 0, 4, 4:9].all() and not mask[0, 0, 4, :4].any()  # the window cuts the context
     with torch.no_grad():
         trained = BlockDraft(draft)(taps, tokens, embeds, positions, mask)[0]  # [8, h]
         for k, p in enumerate(anchors):

@@ -359,13 +359,13 @@ VLLM_DFLASH = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
 
 
 def dflash_dir(tmp_path, model, info, feature_layers, name: str = "dflash", draft_vocab: int = 32,
-               block_causal: bool = False):
+               block_causal: bool = False, sliding_window: int = 0):
     from headstart.heads.dflash import DFlashDraft, dflash_config_for
 
     torch.manual_seed(3)
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=7,
                                           feature_layers=feature_layers, draft_vocab_size=draft_vocab, target_info=info,
-                                          block_causal=block_causal))
+                                          block_causal=block_causal, sliding_window=sliding_window))
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -403,7 +403,11 @@ def test_dflash_vllm_layout(tmp_path):
         export_heads(path, tmp_path / "sg", "sglang")
     causal, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="causal", block_causal=True)
     config, _ = read(export_heads(causal, tmp_path / "causal-out", "vllm", target=model))
-    assert config["dflash_config"]["causal"] is True
+    assert config["dflash_config"]["causal"] is True and "use_swa" not in config["dflash_config"]
+    windowed, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="windowed", sliding_window=64)
+    config, _ = read(export_heads(windowed, tmp_path / "windowed-out", "vllm", target=model))
+    assert config["dflash_config"]["use_swa"] is True and config["dflash_config"]["swa_window_size"] == 64
+    assert "layer_types" not in config  # vLLM: use_swa without layer_types windows every layer
     full, full_draft = dflash_dir(tmp_path, model, info, [2, 3], name="full", draft_vocab=0)
     config, tensors = read(export_heads(full, tmp_path / "full-out", "vllm", target=model))
     assert set(tensors) == VLLM_DFLASH and "draft_vocab_size" not in config  # vLLM uses the target's lm_head

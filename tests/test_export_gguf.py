@@ -195,6 +195,11 @@ def test_dflash_gguf_names_shapes_keys(tmp_path):
     assert np.array_equal(data["blk.1.attn_q.weight"], draft.layers[1].self_attn.q_proj.weight.detach().numpy())
     card = (out / "README.md").read_text()
     assert "--spec-type draft-dflash --spec-draft-n-max 3" in card and "mask_embedding" in card
+    windowed, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="windowed", sliding_window=64)
+    meta, _, _ = read_gguf(export_heads(windowed, tmp_path / "windowed-out", "llamacpp", target=model,
+                                        target_gguf=tmp_path / "target.gguf") / "draft.gguf")
+    assert meta["dflash.attention.sliding_window"] == 64  # llama.cpp's standard window, every layer
+    assert meta["dflash.attention.sliding_window_pattern"] == [True, True]
     causal, _ = dflash_dir(tmp_path, model, info, [4, 2, 5], name="causal", block_causal=True)
     with pytest.raises(ExportError, match="block_causal"):  # llama.cpp's dflash draft attends both ways
         export_heads(causal, tmp_path / "causal-out", "llamacpp", target=model, target_gguf=tmp_path / "target.gguf")

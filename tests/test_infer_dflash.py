@@ -19,13 +19,14 @@ from headstart.inference.tree import Proposer, tree_from_choices
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
-def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0, block_causal: bool = False) -> DFlashDraft:
+def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0, block_causal: bool = False,
+               sliding_window: int = 0) -> DFlashDraft:
     torch.manual_seed(seed)
     vocab = model.config.vocab_size
     draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=block_size, mask_token_id=vocab - 1,
                                           feature_layers=[1, 3], draft_vocab_size=draft_vocab,
                                           target_info={"name": "tiny", "fingerprint": fingerprint(model)},
-                                          block_causal=block_causal))
+                                          block_causal=block_causal, sliding_window=sliding_window))
     if draft_vocab:
         draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
     with torch.no_grad():  # the target's lm_head reads the draft's output: make it the target's scale
@@ -44,12 +45,14 @@ def no_eos(model):
     return model
 
 
-@pytest.mark.parametrize("model_type,block_causal", [("llama", False), ("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("model_type,block_causal,window", [("llama", False, 0), ("qwen2", False, 0), ("llama", True, 0),
+                                                            ("llama", False, 8)])
 @pytest.mark.parametrize("tree", [[[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]])
-def test_greedy_output_equals_generate(model_type, block_causal, tree):
-    """A 16-token vocabulary: random drafts are often right, so accepted paths (scattered too) are exercised."""
+def test_greedy_output_equals_generate(model_type, block_causal, window, tree):
+    """A 16-token vocabulary: random drafts are often right, so accepted paths (scattered too) are exercised. A
+    window of 8 is shorter than the prompts, so the windowed decode mask is in use."""
     model = no_eos(tiny_model(model_type, num_hidden_layers=4, vocab_size=16, seed=3))
-    spec = spec_for(model, make_draft(model, block_causal=block_causal), tree)
+    spec = spec_for(model, make_draft(model, block_causal=block_causal, sliding_window=window), tree)
     assert greedy_accepted_tokens(model, spec, 6) > 20
 
 
@@ -175,10 +178,10 @@ def test_block_causal_slots_ignore_later_slots_and_old_dirs_stay_bidirectional(t
         if not causal:
             draft.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config.pop("block_causal") is False
+    assert config.pop("block_causal") is False and config.pop("sliding_window") == 0
     (tmp_path / "config.json").write_text(json.dumps(config))  # as the code before block_causal wrote it
     old = load_heads(tmp_path, None)
-    assert old.config.block_causal is False and old.decode_mask(6) is None
+    assert old.config.block_causal is False and old.config.sliding_window == 0 and old.decode_mask(6) is None
     proposer = DFlashProposer(old, model, tree_from_choices([[0], [0, 0], [0, 0, 0]]),
                               lambda x: x @ model.lm_head.weight.t())
     proposer.pending = [taps[0]]

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 
-from headstart.heads.dflash import DFlashDraft, dflash_config_for
+from headstart.heads.dflash import DFlashDraft, dflash_config_for, in_window
 from headstart.heads.draft_vocab import most_frequent_tokens
 from headstart.train.card import CardText, heads_card
 from headstart.train.eagle import param_groups
@@ -76,6 +76,7 @@ class DFlashTrainConfig(TrainRunConfig):
     # speculators' and vLLM's DSpark choice, which then need no mask_embedding file)
     mask_input: str = "trained"  # trained | target_row: the mask slots' input (see above)
     block_causal: bool = False  # block slot j attends to slots 0..j only (speculators' default) instead of the whole block
+    sliding_window: int = 0  # > 0: a query at q sees the context positions s with q - s < sliding_window only; 0: all
     # training signal
     anchors_per_row: int = 64  # blocks drawn per row per step
     # labels: target_probs (soft CE against the target's distribution over the draft vocabulary; slots whose data token
@@ -102,6 +103,10 @@ def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
         raise ConfigError("anchors_per_row and eval_anchors must be >= 1")
     check_number(cfg, "loss_decay", 0, above=True)
     check_number(cfg, "init_std", 0)
+    check_number(cfg, "sliding_window", 0)
+    if 0 < cfg.sliding_window < cfg.block_size:
+        raise ConfigError(f"sliding_window {cfg.sliding_window} must be 0 (the whole context) or >= block_size "
+                          f"{cfg.block_size}, so the block stays in view")
     for name, allowed in (("mask_input", ("trained", "target_row")), ("labels", LABELS),
                           ("slot_weights", ("decay", "dpace")), ("optimizer", ("adamw", "muon")),
                           ("lr_schedule", ("cosine", "linear"))):
@@ -143,7 +148,8 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     Q = K * Bk:
 
     tokens [B, Q] (anchor then mask tokens per block), positions [B, Q], mask bool [B, 1, Q, T + Q] (a block sees the
-    positions < its anchor of its own row and its whole block, with block_causal its slots up to the query's), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
+    positions < its anchor of its own row in the query's sliding window and its whole block, with block_causal its
+    slots up to the query's), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
     supervised [B, K, Bk - 1] (the target wrote x_{p+j}), label_pos [B, K, Bk - 1] (p + j, clamped into the row).
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()
@@ -166,13 +172,15 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     inside = positions[:, :, 1:] < torch.tensor(lengths, device=device)[:, None, None]
     labels = torch.where(inside, ids.gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1), 0)
     supervised = inside & loss_mask.bool().gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1) & real[:, :, None]
-    # attention: context s < p (and inside the row), the own block
-    ctx_ok = torch.arange(T, device=device)[None, None, :] < anchor_pos[:, :, None]  # [B, K, T]
+    # attention: context s < p (and inside the row) in the query's sliding window, the own block
+    key_pos = torch.arange(T, device=device)
+    ctx_ok = (key_pos[None, None, :] < anchor_pos[:, :, None]).repeat_interleave(Bk, dim=1)  # [B, Q, T]
+    ctx_ok = ctx_ok & in_window(positions.view(B, K * Bk), key_pos, cfg.sliding_window)
     block_id = torch.arange(K * Bk, device=device) // Bk
     own = block_id[:, None] == block_id[None, :]  # [Q, Q]
     if cfg.block_causal:  # slot j sees slots 0..j of its block
         own = own & torch.ones_like(own).tril()
-    mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1), own[None].expand(B, -1, -1)], dim=-1)  # [B, Q, T + Q]
+    mask = torch.cat([ctx_ok, own[None].expand(B, -1, -1)], dim=-1)  # [B, Q, T + Q]
     return {"tokens": tokens.view(B, K * Bk), "positions": positions.view(B, K * Bk), "mask": mask[:, None],
             "labels": labels, "supervised": supervised, "label_pos": label_pos}
 
@@ -348,7 +356,7 @@ def build_draft(run: Run, cfg: DFlashTrainConfig) -> DFlashDraft:
     vocab = min(cfg.draft_vocab_size, info.vocab_size)
     try:
         config = dflash_config_for(target, cfg.num_layers, cfg.block_size, mask_token_id, cfg.feature_layers, vocab, info,
-                                   block_causal=cfg.block_causal)
+                                   block_causal=cfg.block_causal, sliding_window=cfg.sliding_window)
     except ValueError as err:
         raise ConfigError(str(err)) from err
     L = info.num_hidden_layers
