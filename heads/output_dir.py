@@ -180,6 +180,15 @@ def claim_output_dir(out: Path, kind: RunKind, take: bool = True) -> OutputDirCl
     return claim
 
 
+def export_subdir(out: Path, n: int, heads_dir: str | Path, suffix: str) -> Path:
+    """Where an engine check puts the export of its n-th heads dir (1-based): out/export-N-NAME-SUFFIX, NAME the run's
+    name (the folder holding a `heads` dir, else the heads dir's own name); N keeps two heads dirs of one name
+    apart, so no export replaces another's."""
+    path = Path(heads_dir).resolve()
+    name = path.parent.name if path.name == "heads" else path.name
+    return out / f"export-{n}-{name}-{suffix}"
+
+
 def record_entries(out: Path, kind: RunKind, entries: list[str]) -> None:
     """Set the manifest's entries to exactly `entries` (what the run now has there)."""
     write_file(out / MANIFEST, json.dumps({"kind": kind.kind, "entries": sorted(set(entries))}, indent=1) + "\n")

@@ -169,9 +169,10 @@ def llamacpp_tau(runs: list[dict]) -> float:
     return tokens / max(steps, 1)
 
 
-def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
+def check_heads(n: int, heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
                 out: Path, version: str) -> dict:
     from headstart.heads.export import export_heads
+    from headstart.heads.output_dir import export_subdir
     from headstart.heads.export_gguf import GGUF_FILE, read_target_gguf
     from headstart.heads.load import read_heads_config
     from headstart.heads.methods import method_of
@@ -180,7 +181,7 @@ def check_heads(heads_dir: str, args, server: Path, target_gguf: Path, loaded, p
     method = heads_config.method
     fixed = method_of(heads_config).engine_chain(heads_config)  # DFlash: its block, whatever --k says
     k = args.k if fixed is None else fixed
-    exp = out / f"export-{Path(heads_dir).parent.name}-{target_gguf.stem}"  # the export, and the servers' logs
+    exp = export_subdir(out, n, heads_dir, target_gguf.stem)  # the export, and the servers' logs
     export_heads(heads_dir, exp, "llamacpp", target=loaded[0], num_speculative_tokens=k, overwrite=True,
                  target_gguf=target_gguf)
     hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
@@ -314,8 +315,8 @@ def run_checks(args, server: Path) -> int:
     version = server_version(server)
     results = {"prompts": args.prompts, "per_category": args.per_category, "max_new_tokens": args.max_new_tokens,
                "server": str(server), "version": version, "runs": []}
-    for heads_dir in args.heads:
-        row = check_heads(heads_dir, args, server, target_gguf, loaded, prompts, out, version)
+    for n, heads_dir in enumerate(args.heads, 1):
+        row = check_heads(n, heads_dir, args, server, target_gguf, loaded, prompts, out, version)
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
         write_file(out / "results.json", json.dumps(results, indent=1))

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from headstart.heads.directory import HeadsLoadError
 from headstart.heads.export import ExportError
-from headstart.heads.output_dir import OutputDirError
+from headstart.heads.output_dir import OutputDirError, export_subdir
 from headstart.heads.prompts import PromptSourceError
 from headstart.heads.target import TargetLoadError
 
@@ -147,7 +147,7 @@ def compare(args: argparse.Namespace) -> int:
         print(base["error"], file=sys.stderr)
         return 1
     results["vllm_base"] = {k: base[k] for k in ("load_s", "generate_s")}
-    for heads_dir in args.heads:
+    for n, heads_dir in enumerate(args.heads, 1):
         heads_config = read_heads_config(Path(heads_dir))
         method, declared = heads_config.method, method_of(heads_config)
         fixed = declared.engine_chain(heads_config)  # DFlash: its block, whatever --k says
@@ -157,7 +157,7 @@ def compare(args: argparse.Namespace) -> int:
         for fmt in args.formats:
             if fmt not in declared.formats:
                 continue
-            exp = out / f"export-{Path(heads_dir).parent.name}-{fmt}"
+            exp = export_subdir(out, n, heads_dir, fmt)
             export_heads(heads_dir, exp, fmt, target=loaded[0], num_speculative_tokens=k, overwrite=True)
             info = json.loads((exp / "export.json").read_text())
             run = vllm_run(args.vllm_python, target_dir, prompts_file, out / f"vllm-{exp.name}.json",
@@ -258,9 +258,9 @@ def speed(args: argparse.Namespace) -> int:
     results = {"prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "rounds": args.rounds, "target_dir": target_dir, "runs": []}
     failed = 0
-    for heads_dir in args.heads:
+    for n, heads_dir in enumerate(args.heads, 1):
         method = read_method(Path(heads_dir))
-        exp = out / f"export-{Path(heads_dir).parent.name}-{args.format}"
+        exp = export_subdir(out, n, heads_dir, args.format)
         export_heads(heads_dir, exp, args.format, target=loaded[0], num_speculative_tokens=args.k, overwrite=True)
         info = json.loads((exp / "export.json").read_text())
         k, served = info["num_speculative_tokens"], info["served_speed"]

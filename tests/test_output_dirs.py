@@ -18,7 +18,7 @@ import torch
 from headstart.heads.export import export_heads
 from headstart.heads.export import main as export_main
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
-from headstart.heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_dir, claim_output_dir,
+from headstart.heads.output_dir import (LOCK_FILE, MANIFEST, OutputDirError, check_output_dir, claim_output_dir, export_subdir,
                               write_file)
 from headstart.heads.target import load_target
 from test_medusa_train import base_args, heads_state, write_selfdistilled
@@ -412,3 +412,12 @@ def test_the_llamacpp_check_refuses_an_output_directory_holding_someone_elses_fi
     assert code == 2 and err.startswith("error: ") and "\n" not in err
     assert "not a headstart engine-check:llamacpp run" in err
     assert tree_of(out) == {"results.json": b"my results"}
+
+
+def test_engine_checks_give_each_heads_dir_its_own_export(tmp_path):
+    """Two heads dirs of one run name, or heads dirs not called `heads`, never share an export folder (one would
+    replace the other's export while the results still name both)."""
+    out = tmp_path / "check"
+    names = [export_subdir(out, n, d, "vllm").name
+             for n, d in enumerate([tmp_path / "runs/a/heads", tmp_path / "old/a/heads", "w64h", "nowin"], 1)]
+    assert names == ["export-1-a-vllm", "export-2-a-vllm", "export-3-w64h-vllm", "export-4-nowin-vllm"]

@@ -112,7 +112,7 @@ def test_speed_mode_measures_both_engines_and_writes_engines_json(random_heads, 
     assert (record.engine, record.k) == ("vllm", 3) and record.tokens_per_s_with > 0 and record.tokens_per_s_without > 0
     raw = json.loads((heads / "engines.json").read_text())[0]
     assert raw["identical_outputs"] == "2/2" and raw["rounds"] == 2
-    run = json.loads((tmp_path / "speed" / "speed-export-medusa-vllm.json").read_text())
+    run = json.loads((tmp_path / "speed" / "speed-export-1-medusa-vllm.json").read_text())
     assert run["num_drafts"] > 0 and all(len(r) == 2 for r in run["rounds"].values())
 
 
