@@ -11,8 +11,9 @@ trained `mask_embedding` (vLLM reads it from `mask_embedding.pt`). In every draf
   keys/values of the whole block (bidirectional inside the block), or with `block_causal` of block slots 0..j only,
 with RoPE at absolute positions. With `sliding_window` W > 0 a query at position q sees only the context positions s
 with q - s < W (standard sliding-window attention, as vLLM's `dflash_config.use_swa` and llama.cpp's
-`attention.sliding_window` run it; W >= block_size, so the whole block stays in view). Block slot j (1 .. block_size - 1) then predicts the token at position p + j
-through `norm` and the target's frozen lm_head (no shift: slot j's output scores x_{p+j}); slot 0's is unused.
+`attention.sliding_window` run it; W >= block_size, so the whole block stays in view). Block slot j
+(1 .. block_size - 1) then predicts the token at position p + j through `norm` and the target's frozen lm_head (no
+shift: slot j's output scores x_{p+j}); slot 0's is unused.
 The layers are Qwen3 decoder layers (q_norm / k_norm per head) of the target's width; embeddings and lm_head are the
 target's and are not stored.
 
