@@ -351,7 +351,7 @@ def dflash_export(heads, request: ExportRequest) -> tuple[dict, dict, dict]:
                   dflash_config={"target_layer_ids": sorted(i - 1 for i in cfg.feature_layers),
                                  "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
                                  "causal": cfg.block_causal})  # vLLM's per-layer causality inside the block
-    if getattr(cfg, "sliding_window", 0):  # every layer windowed over the context (vLLM's _resolve_layer_attention)
+    if cfg.sliding_window:  # every layer windowed over the context (vLLM's _resolve_layer_attention)
         config["dflash_config"].update(use_swa=True, swa_window_size=cfg.sliding_window)
     notes = {"layer_ids": f"vLLM target_layer_ids {config['dflash_config']['target_layer_ids']} = HF hidden_states "
                           f"{sorted(cfg.feature_layers)} (vLLM's k is hidden_states[k + 1])",

@@ -293,7 +293,7 @@ def dflash_gguf(heads, target) -> GgufDraft:
     draft = GgufDraft("dflash")
     _base_metadata(draft, layer, cfg.num_layers, f"headstart DFlash draft for {cfg.target.get('name')}")
     draft.add("dflash.block_size", int(cfg.block_size), T.UINT32)
-    if getattr(cfg, "sliding_window", 0):  # llama.cpp's optional per-layer sliding window (standard: q - s < W)
+    if cfg.sliding_window:  # llama.cpp's optional per-layer sliding window (standard: q - s < W)
         draft.add("dflash.attention.sliding_window", int(cfg.sliding_window), T.UINT32)
         draft.add("dflash.attention.sliding_window_pattern", [True] * cfg.num_layers, T.ARRAY, T.BOOL)
     draft.add("dflash.target_layers", [int(i) for i in cfg.feature_layers], T.ARRAY, T.INT32)

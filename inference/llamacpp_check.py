@@ -172,10 +172,10 @@ def llamacpp_tau(runs: list[dict]) -> float:
 def check_heads(n: int, heads_dir: str, args, server: Path, target_gguf: Path, loaded, prompts: list[list[int]],
                 out: Path, version: str) -> dict:
     from headstart.heads.export import export_heads
-    from headstart.heads.output_dir import export_subdir
     from headstart.heads.export_gguf import GGUF_FILE, read_target_gguf
     from headstart.heads.load import read_heads_config
     from headstart.heads.methods import method_of
+    from headstart.heads.output_dir import export_subdir
 
     heads_config = read_heads_config(Path(heads_dir))
     method = heads_config.method
