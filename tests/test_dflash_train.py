@@ -285,7 +285,8 @@ def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
 def test_recipe_parses_and_bad_configs_fail():
     cfg = check_config(parse_config(DFlashTrainConfig, ["--config", str(REPO / "recipes" / "smollm2-135m" / "dflash.yaml")]))
     assert cfg.method == "dflash" and cfg.block_size >= 2
-    assert (cfg.optimizer, cfg.labels, cfg.slot_weights) == ("muon", "target_argmax", "dpace")  # docs/measured.md
+    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window)  # docs/measured.md
+    assert recipe_choices == ("muon", "target_argmax", "dpace", 64)
     with pytest.raises(ConfigError, match="block_size"):
         check_config(DFlashTrainConfig(block_size=1))
     with pytest.raises(ConfigError, match="method"):
