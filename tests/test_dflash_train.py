@@ -3,6 +3,7 @@ inference-time cache, anchors, learning, the heads directory, exact resume, 2-pr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -213,6 +214,35 @@ def test_target_argmax_labels_keep_out_of_vocabulary_slots():
     assert hard["probs"] is None and data["probs"] is None
 
 
+def test_supervise_prompt_trains_anchors_anywhere_along_the_target_s_greedy_path():
+    """supervise_prompt, in training: anchors at every position with a next token in the row; slot 1 always supervised,
+    slot j > 1 while x_{p+1} .. x_{p+j-1} are each the target's greedy choice; labels the target's greedy tokens.
+    Evaluation (step None) keeps the target-written anchors."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    draft = DFlashDraft(dflash_config_for(model, 2, 3, mask_token_id=5, feature_layers=[1, 2, 3], draft_vocab_size=32))
+    draft.set_draft_vocab(torch.arange(0, 32))
+    ids = torch.tensor([[3, 4, 10, 11, 12, 13, 14, 8]])
+    greedy = [4, 10, 20, 12, 13, 14, 8, 0]  # the target's argmax at each position: x_3 = 11 is not its choice
+    final = torch.nn.functional.one_hot(torch.tensor(greedy), 64).float()[None]  # [1, 8, h]
+    scored = torch.eye(32, 64)  # logits = final's first 32 features, argmax = greedy
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.tensor([[0, 0, 0, 0, 0, 1, 1, 0]]),
+             "rows": torch.tensor([0])}
+    source = FixedSource(torch.randn(1, 8, 3 * 64), final)
+    cfg = DFlashTrainConfig(block_size=3, labels="target_argmax", supervise_prompt=True)
+    prep = prepare_batch(batch, source, model, draft, scored, cfg, 0, 64)
+    assert prep["positions"].view(7, 3)[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert prep["selected"][0].tolist() == [[True, True], [True, True], [True, False], [True, True], [True, True],
+                                            [True, True], [True, False]]  # x_3 breaks anchor 2's path; x_8 is past the row
+    assert prep["target_labels"].tolist() == [4, 10, 10, 20, 20, 12, 13, 13, 14, 14, 8, 8]
+    answers_only = prepare_batch(batch, source, model, draft, scored, dataclasses.replace(cfg, supervise_prompt=False), 0, 64)
+    assert answers_only["positions"].tolist() == [[5, 6, 7]] and answers_only["selected"].tolist() == [[[True, False]]]
+    held_out = prepare_batch(batch, source, model, draft, scored, cfg, None, 64)
+    assert torch.equal(held_out["positions"], answers_only["positions"])
+    assert torch.equal(held_out["selected"], answers_only["selected"])
+    with pytest.raises(ConfigError, match="supervise_prompt needs the target's labels"):
+        check_config(DFlashTrainConfig(labels="data", supervise_prompt=True))
+
+
 def test_mask_input_target_row_is_the_frozen_target_row_and_init_std():
     model = tiny_model("llama", num_hidden_layers=4)
     draft = random_draft(model)
@@ -285,8 +315,8 @@ def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
 def test_recipe_parses_and_bad_configs_fail():
     cfg = check_config(parse_config(DFlashTrainConfig, ["--config", str(REPO / "recipes" / "smollm2-135m" / "dflash.yaml")]))
     assert cfg.method == "dflash" and cfg.block_size >= 2
-    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window)  # docs/measured.md
-    assert recipe_choices == ("muon", "target_argmax", "dpace", 64)
+    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window, cfg.supervise_prompt)
+    assert recipe_choices == ("muon", "target_argmax", "dpace", 64, True)  # docs/measured.md
     with pytest.raises(ConfigError, match="block_size"):
         check_config(DFlashTrainConfig(block_size=1))
     with pytest.raises(ConfigError, match="method"):

@@ -29,7 +29,7 @@ from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
 from headstart.train.config import ConfigError, parse_config
 from headstart.train.dflash import BlockDraft
-from headstart.train.dspark import DSparkTrainConfig, check_config, main, previous_tokens
+from headstart.train.dspark import DSparkTrainConfig, check_config, dspark_loss, main, previous_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -102,6 +102,31 @@ def test_config_checks_and_registration():
 def test_previous_tokens_are_the_anchor_then_the_labels():
     prep = {"tokens": torch.tensor([[7, 1, 1, 1, 8, 1, 1, 1]]), "labels": torch.tensor([[[2, 3, 4], [5, 6, 0]]])}
     assert previous_tokens(prep).tolist() == [[[7, 2, 3], [8, 5, 6]]]
+
+
+def test_confidence_target_off_the_answers_is_the_target_s_greedy_token():
+    """With supervise_prompt, a slot the target did not write verifies when the draft's argmax is the target's
+    greedy token there (greedy_labels), not the data token; a target-written slot still against the data token."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    draft = make_draft(model, block_size=3)
+    scored = draft.draft_lm_head_weight(model.lm_head.weight)
+    out = torch.randn(1, 1, 2, 64, generator=torch.Generator().manual_seed(0))
+    prev = torch.tensor([7, 9])
+    with torch.no_grad():
+        argmax = draft.corrected_logits(out[0, 0], scored, prev).argmax(-1)  # [2]
+    other = (argmax + 1) % 32
+    selected = torch.ones(1, 1, 2, dtype=torch.bool)
+    prep = {"selected": selected, "supervised": selected, "weights": torch.ones(1, 1, 2),
+            "tokens": torch.tensor([[7, 31, 31]]), "labels": torch.tensor([[[9, 4]]]),
+            "target_labels": argmax, "probs": None, "in_vocab": selected,
+            "draft_labels": torch.stack([argmax[0], other[1]])[None, None],  # slot 1 = the argmax, slot 2 not
+            "written": torch.tensor([[[True, False]]]), "greedy_labels": argmax}  # slot 2: a prompt slot
+    cfg = DSparkTrainConfig(block_size=3, labels="target_argmax", supervise_prompt=True)
+    with torch.no_grad():
+        _, sums = dspark_loss(draft, out[0, 0], prep, scored, torch.tensor(2.0), cfg)
+        assert float(sums["accepted"]) == 2.0  # both verify: slot 2 against the target's greedy token
+        _, answers_only = dspark_loss(draft, out[0, 0], {**prep, "greedy_labels": None}, scored, torch.tensor(2.0), cfg)
+        assert float(answers_only["accepted"]) == 1.0  # without supervise_prompt the data token (not the argmax) counts
 
 
 def test_training_logits_equal_the_proposer_chain_and_vllm_loop():

@@ -12,14 +12,15 @@ Preempted? Run the same command with --resume: it continues from the newest chec
 The run itself (data, schedule, resume, logging, checkpoints, heads directory) is train/loop.py's.
 
 What one optimizer step sees (heads/dflash.py has the draft): per row, `anchors_per_row` anchor positions p are drawn
-(seeded per seed, step and row: the same in any batch layout, process count or resume point) among the positions
-whose token and next token the target wrote. Each anchor's block [x_p, mask x (block_size - 1)] sits at positions
-p .. p + block_size - 1 and sees the fused target features of positions < p (strictly: the anchor's own features
-are not known at inference) and its own block; all of a row's blocks run in one draft forward. Slot j predicts
-x_{p+j}, supervised where the target wrote it, weighted by `slot_weights` (exp(-(j - 1) / loss_decay), or D-PACE):
-soft cross-entropy against the target's distribution there (its logits at p + j - 1), cross-entropy on its argmax
-in the draft vocabulary, or on the data token (`labels`). The loss is a weighted mean over the whole global batch,
-so N processes x batch b give 1 process x batch N*b.
+(seeded per seed, step and row: the same in any batch layout, process count or resume point) among the positions whose
+token and next token the target wrote (with `supervise_prompt`, among all positions: in the prompt a slot is
+supervised while the tokens between it and the anchor are the target's greedy choices). Each anchor's block [x_p, mask
+x (block_size - 1)] sits at positions p .. p + block_size - 1 and sees the fused target features of positions < p
+(strictly: the anchor's own features are not known at inference) and its own block; all of a row's blocks run in one
+draft forward. Slot j predicts x_{p+j}, supervised where the target wrote it (or on the greedy path above), weighted
+by `slot_weights` (exp(-(j - 1) / loss_decay), or D-PACE): soft cross-entropy against the target's distribution there
+(its logits at p + j - 1), cross-entropy on its argmax in the draft vocabulary, or on the data token (`labels`). The
+loss is a weighted mean over the whole global batch, so N processes x batch b give 1 process x batch N*b.
 
 Output: DIR/heads (config.json, model.safetensors, README.md, metrics.json, ngram.safetensors), DIR/checkpoints,
 DIR/train_log.jsonl.
@@ -79,6 +80,10 @@ class DFlashTrainConfig(TrainRunConfig):
     sliding_window: int = 0  # > 0: a query at q sees the context positions s with q - s < sliding_window only; 0: all
     # training signal
     anchors_per_row: int = 64  # blocks drawn per row per step
+    # supervise_prompt: training anchors anywhere in the row (prompt and user turns too, as EAGLE-3's), a slot there
+    # supervised only while the tokens between anchor and slot are the target's own greedy choices (its labels are
+    # then the target's greedy continuation); held-out figures stay on target-written anchors
+    supervise_prompt: bool = False
     # labels: target_probs (soft CE against the target's distribution over the draft vocabulary; slots whose data token
     # is outside it are dropped) | target_argmax (CE on the target's argmax over the draft vocabulary, speculators':
     # every supervised slot is kept, an out-of-vocabulary token's slot learns the best in-vocabulary one) | data (CE on
@@ -112,6 +117,8 @@ def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
                           ("lr_schedule", ("cosine", "linear"))):
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be {' or '.join(allowed)}, got {getattr(cfg, name)!r}")
+    if cfg.supervise_prompt and cfg.labels == "data":
+        raise ConfigError("supervise_prompt needs the target's labels there: set labels to target_argmax or target_probs")
     if not 0 <= cfg.dpace_alpha <= 1:
         raise ConfigError(f"dpace_alpha must be in [0, 1], got {cfg.dpace_alpha}")
     check_number(cfg, "draft_vocab_size", 0)
@@ -123,9 +130,10 @@ def check_config(cfg: DFlashTrainConfig) -> DFlashTrainConfig:
 # blocks
 
 
-def valid_anchors(loss_mask: torch.Tensor, length: int) -> torch.Tensor:
-    """Anchor positions p of one row (loss_mask [T]): the target wrote x_p and x_{p+1}. -> [n] increasing."""
-    mask = loss_mask[: length].bool()
+def valid_anchors(loss_mask: torch.Tensor, length: int, anywhere: bool = False) -> torch.Tensor:
+    """Anchor positions p of one row (loss_mask [T]): the target wrote x_p and x_{p+1} (anywhere: every p with
+    x_{p+1} in the row). -> [n] increasing."""
+    mask = torch.ones(length, dtype=torch.bool) if anywhere else loss_mask[: length].bool()
     ok = mask[:-1] & mask[1:]
     return torch.nonzero(ok).squeeze(-1)
 
@@ -150,12 +158,15 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     tokens [B, Q] (anchor then mask tokens per block), positions [B, Q], mask bool [B, 1, Q, T + Q] (a block sees the
     positions < its anchor of its own row in the query's sliding window and its whole block, with block_causal its
     slots up to the query's), labels [B, K, Bk - 1] (x_{p+j}, 0 past the row),
-    supervised [B, K, Bk - 1] (the target wrote x_{p+j}), label_pos [B, K, Bk - 1] (p + j, clamped into the row).
+    supervised [B, K, Bk - 1] (the target wrote x_{p+j}), in_row [B, K, Bk - 1] (x_{p+j} is in the row, the block
+    real), label_pos [B, K, Bk - 1] (p + j, clamped into the row). Training with supervise_prompt draws the anchors
+    anywhere in the row.
     """
     ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1).tolist()
     B, T = ids.shape
     device = ids.device
-    chosen = [pick_anchors(valid_anchors(loss_mask[b].cpu(), lengths[b]), anchors, cfg.seed, step, r)
+    anywhere = cfg.supervise_prompt and step is not None
+    chosen = [pick_anchors(valid_anchors(loss_mask[b].cpu(), lengths[b], anywhere), anchors, cfg.seed, step, r)
               for b, r in enumerate(batch["rows"].tolist())]
     Bk, K = cfg.block_size, max(1, max(c.numel() for c in chosen))
     anchor_pos = torch.zeros(B, K, dtype=torch.long)
@@ -171,7 +182,8 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
     label_pos = positions[:, :, 1:].clamp(max=T - 1)  # [B, K, Bk-1]
     inside = positions[:, :, 1:] < torch.tensor(lengths, device=device)[:, None, None]
     labels = torch.where(inside, ids.gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1), 0)
-    supervised = inside & loss_mask.bool().gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1) & real[:, :, None]
+    in_row = inside & real[:, :, None]
+    supervised = in_row & loss_mask.bool().gather(1, label_pos.reshape(B, -1)).view(B, K, Bk - 1)
     # attention: context s < p (and inside the row) in the query's sliding window, the own block
     key_pos = torch.arange(T, device=device)
     ctx_ok = (key_pos[None, None, :] < anchor_pos[:, :, None]).repeat_interleave(Bk, dim=1)  # [B, Q, T]
@@ -182,7 +194,7 @@ def block_inputs(batch: dict, cfg: DFlashTrainConfig, mask_token_id: int, step: 
         own = own & torch.ones_like(own).tril()
     mask = torch.cat([ctx_ok, own[None].expand(B, -1, -1)], dim=-1)  # [B, Q, T + Q]
     return {"tokens": tokens.view(B, K * Bk), "positions": positions.view(B, K * Bk), "mask": mask[:, None],
-            "labels": labels, "supervised": supervised, "label_pos": label_pos}
+            "labels": labels, "supervised": supervised, "in_row": in_row, "label_pos": label_pos}
 
 
 class BlockDraft(nn.Module):
@@ -216,9 +228,16 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: DFlashDraft
     (slot_weights decay: the decay, dpace: 1, times selected); at the N selected slots the labels `target_labels` [N]
     (draft-vocabulary indices: the data token's, or with target_argmax the target's argmax) and, with labels
     target_probs, the target's probs [N, Vd] (its softmax over the draft vocabulary, `scored` = those rows of its
-    lm_head [Vd, h])."""
+    lm_head [Vd, h]); `written` [B, K, Bk-1] (the target wrote the slot's token) and, training with supervise_prompt,
+    `greedy_labels` [N] (the target's argmax over the draft vocabulary at each selected slot; else None)."""
     taps, final = source.batch(batch)
     blocks = block_inputs(batch, cfg, draft.config.mask_token_id, step, anchors)
+    written = blocks["supervised"]
+    greedy = None
+    if cfg.supervise_prompt and step is not None:
+        greedy = target_greedy(final, scored)
+        on_greedy_path = greedy_prefix(batch["input_ids"], greedy, draft, blocks["label_pos"])
+        blocks["supervised"] = written | (blocks["in_row"] & on_greedy_path)
     draft_labels, in_vocab = draft.to_draft_labels(blocks["labels"])
     sel = blocks["supervised"] & in_vocab if cfg.labels != "target_argmax" else blocks["supervised"]
     Bk = cfg.block_size
@@ -230,7 +249,10 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: DFlashDraft
     rows = torch.arange(B, device=taps.device)[:, None, None].expand_as(sel)[sel]
     before = (blocks["label_pos"] - 1)[sel]  # the target's distribution for x_{p+j} comes from its logits at p+j-1
     probs, target_labels = None, draft_labels[sel]
-    if cfg.labels != "data":
+    greedy_labels = None if greedy is None else greedy[rows, before]  # [N]
+    if cfg.labels == "target_argmax" and greedy_labels is not None:
+        target_labels = greedy_labels
+    elif cfg.labels != "data":
         states = final[rows, before]  # [N, h]
         parts = [(part @ scored.t()).float() for part in states.split(2048)]  # [n, Vd] each
         if cfg.labels == "target_probs":
@@ -239,7 +261,30 @@ def prepare_batch(batch: dict, source: FeatureSource, target, draft: DFlashDraft
             target_labels = torch.cat([p.argmax(-1) for p in parts])
     return {"taps": taps, "embeds": target.get_input_embeddings()(blocks["tokens"]), **blocks,
             "draft_labels": draft_labels, "in_vocab": in_vocab, "selected": sel, "weights": sel.float() * base,
-            "target_labels": target_labels, "probs": probs}
+            "target_labels": target_labels, "probs": probs, "written": written, "greedy_labels": greedy_labels}
+
+
+def target_greedy(final: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """final [B, T, h] (the target's final hidden states) -> [B, T]: its argmax over the draft vocabulary at each
+    position (a draft-vocabulary index: its greedy guess for the next token)."""
+    B, T, h = final.shape
+    parts = [(part @ scored.t()).argmax(-1) for part in final.reshape(B * T, h).split(2048)]
+    return torch.cat(parts).view(B, T)
+
+
+def greedy_prefix(ids: torch.Tensor, greedy: torch.Tensor, draft: DFlashDraft, label_pos: torch.Tensor) -> torch.Tensor:
+    """ids [B, T], greedy [B, T] (target_greedy), label_pos [B, K, S] (p + j) -> [B, K, S] bool: the tokens between
+    the anchor and slot j, x_{p+1} .. x_{p+j-1}, are each the target's greedy choice, so the target's greedy
+    continuation of x_{<=p} reaches slot j through the data (always for slot 1; on greedy self-distilled answers
+    everywhere)."""
+    B, T = ids.shape
+    data, in_vocab = draft.to_draft_labels(ids)
+    chosen = torch.zeros(B, T, dtype=torch.bool, device=ids.device)  # x_t is the target's greedy choice after x_{<t}
+    chosen[:, 1:] = in_vocab[:, 1:] & (greedy[:, :-1] == data[:, 1:])
+    at_slot = chosen.gather(1, label_pos.reshape(B, -1)).view(label_pos.shape)  # [B, K, S]
+    prefix = torch.ones_like(at_slot)
+    prefix[..., 1:] = at_slot[..., :-1].long().cumprod(-1).bool()
+    return prefix
 
 
 def slot_outputs(model, prep: dict) -> torch.Tensor:

@@ -8,15 +8,16 @@ the token loss and its options (labels, slot_weights, optimizer, mask_input...) 
 
 What DSpark adds to one block of DFlash's training: slot j's logits are the Markov-corrected ones, DFlash's plus
 markov_bias(x_{p+j-1}), the previous token teacher-forced with the data (slot 1's is the anchor): on the accepted
-prefix, what the draft conditions on at inference. The token loss is DFlash's on those logits (with the default
-labels, soft cross-entropy against the target's distribution: KL up to a constant, speculators' DSpark loss). The
-confidence head learns, by binary cross-entropy with the slots' token-loss weights (`confidence_weight` x), whether
-the slot's Markov-corrected argmax is the data token: the event that verifies a deterministic draft token. On
-greedy self-distilled data (headstart's default) the data token is the target's greedy choice, so this is exactly
-greedy acceptance, and the running product along the block is the accepted-prefix indicator of a greedy chain; on
-sampled data it is an unbiased draw of the target's probability of the drafted token, its acceptance under
-sampling. (DeepSpec and speculators use 1 - TV(q, p), the acceptance of a token *sampled* from the draft, which
-headstart never drafts.)
+prefix, what the draft conditions on at inference (with `supervise_prompt`, a prompt slot is trained only on the
+target's greedy path, where the data before it is what the target would have drafted). The token loss is DFlash's on
+those logits (with the default labels, soft cross-entropy against the target's distribution: KL up to a constant,
+speculators' DSpark loss). The confidence head learns, by binary cross-entropy with the slots' token-loss weights
+(`confidence_weight` x), whether the slot's Markov-corrected argmax is the data token: the event that verifies a
+deterministic draft token. On greedy self-distilled data (headstart's default) the data token is the target's greedy
+choice, so this is exactly greedy acceptance (a prompt slot's target is the target's greedy token there), and the
+running product along the block is the accepted-prefix indicator of a greedy chain; on sampled data it is an unbiased
+draw of the target's probability of the drafted token, its acceptance under sampling. (DeepSpec and speculators use
+1 - TV(q, p), the acceptance of a token *sampled* from the draft, which headstart never drafts.)
 
 metrics.json: DFlash's (per block slot top1, top5, rank_accuracy, eval_positions; chain_accepted_tokens) on the
 Markov-corrected logits, plus the confidence head's calibration on the held-out blocks:
@@ -86,7 +87,11 @@ def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch
     prev = previous_tokens(prep)[sel]  # [N]
     logits = draft.corrected_logits(out, scored, prev)  # [N, Vd]
     loss, sums = block_loss(logits, prep, denom, cfg)
-    accepted = slot_accepted(logits.detach(), prep["draft_labels"][sel], prep["in_vocab"][sel]).float()  # [N]
+    truth, in_vocab = prep["draft_labels"][sel], prep["in_vocab"][sel]
+    if prep["greedy_labels"] is not None:  # supervise_prompt: off the answers, the target's greedy token verifies
+        prompt = ~prep["written"][sel]
+        truth, in_vocab = torch.where(prompt, prep["greedy_labels"], truth), in_vocab | prompt
+    accepted = slot_accepted(logits.detach(), truth, in_vocab).float()  # [N]
     conf = draft.confidence_logit(draft.norm(out), prev).float()  # [N]
     w = prep["weights"][sel]
     bce = (w * F.binary_cross_entropy_with_logits(conf, accepted, reduction="none")).sum()
