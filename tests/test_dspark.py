@@ -270,8 +270,8 @@ def test_train_learns_and_writes_calibration(llama_dir, sd_dir, tmp_path):
 def test_recipe_parses_and_bad_configs_fail():
     cfg = check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml"]))
     assert cfg.method == "dspark" and cfg.markov_rank == 64 and cfg.block_size == 8
-    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window)  # docs/measured.md
-    assert recipe_choices == ("muon", "target_argmax", "dpace", 64)
+    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window, cfg.supervise_prompt)
+    assert recipe_choices == ("muon", "target_argmax", "dpace", 64, True)  # docs/measured.md
     for bad in (["--markov_rank", "0"], ["--method", "dflash"], ["--labels", "nope"], ["--block_size", "1"]):
         with pytest.raises(ConfigError):
             check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml", *bad]))
