@@ -83,7 +83,7 @@ class DFlashTrainConfig(TrainRunConfig):
     # supervise_prompt: training anchors anywhere in the row (prompt and user turns too, as EAGLE-3's), a slot there
     # supervised only while the tokens between anchor and slot are the target's own greedy choices (its labels are
     # then the target's greedy continuation); held-out figures stay on target-written anchors
-    supervise_prompt: bool = False
+    supervise_prompt: bool = False  # anchors in the prompt and user turns too, a slot there on the target's greedy path
     # labels: target_probs (soft CE against the target's distribution over the draft vocabulary; slots whose data token
     # is outside it are dropped) | target_argmax (CE on the target's argmax over the draft vocabulary, speculators':
     # every supervised slot is kept, an out-of-vocabulary token's slot learns the best in-vocabulary one) | data (CE on
