@@ -8,6 +8,10 @@
 - Confidence head: proj = Linear(h + r, 1) over cat(norm(out_j), markov_w1[prev_j]) (h alone without
   `confidence_with_markov`); sigmoid(proj) estimates P(slot j's drafted token is accepted | slots before it were).
   The running product along the block is the chance the prefix survives; inference/dspark.py cuts the block there.
+- With `markov_context` the Markov factor also reads the slot: bias = markov_w2 . (markov_w1[prev] * (1 +
+  context_proj(norm(out_j)))), a bilinear term in the previous token and the slot's own output (DFlash2's candidate
+  selector scores candidates with such a product); context_proj starts at zero, so training starts from the vanilla
+  head. headstart's own decode loop runs it; vLLM 0.32's loader has no such head, so the export refuses it.
 
 The layout is DFlash's fill-in one (vLLM `sample_from_anchor: false`): block [x_p, mask x (B - 1)], slot j predicts
 x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `markov_head.markov_w1.weight`,
@@ -35,6 +39,8 @@ class DSparkConfig(DFlashConfig):
     method: str = "dspark"
     markov_rank: int = 64  # r of the Markov head's factors (vLLM's markov_rank; the references use 256)
     confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
+    # True: the Markov factor is scaled by (1 + context_proj(norm(out))) of its slot. Absent from a config.json: False
+    markov_context: bool = False
 
     def __post_init__(self):
         if self.method != "dspark":
@@ -45,19 +51,23 @@ class DSparkConfig(DFlashConfig):
         DFlashConfig(**dict(backbone, method="dflash"))  # the backbone's own checks
 
 
-def dspark_config_for(model, markov_rank: int = 64, confidence_with_markov: bool = True, **dflash_args) -> DSparkConfig:
+def dspark_config_for(model, markov_rank: int = 64, confidence_with_markov: bool = True, markov_context: bool = False,
+                      **dflash_args) -> DSparkConfig:
     """A DSparkConfig: DFlash's for `model` (heads/dflash.py dflash_config_for's arguments) plus the two heads."""
     backbone = dataclasses.asdict(dflash_config_for(model, **dflash_args))
     return DSparkConfig(**dict(backbone, method="dspark", markov_rank=markov_rank,
-                               confidence_with_markov=confidence_with_markov))
+                               confidence_with_markov=confidence_with_markov, markov_context=markov_context))
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, rank: int, context_size: int = 0):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)  # [V, r], by the previous token's target id
         self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)  # [Vd, r]
         nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' init; markov_w2 keeps nn.Linear's
+        if context_size:  # markov_context: [r, h], zero so that training starts from the vanilla head
+            self.context_proj = nn.Linear(context_size, rank, bias=False)
+            nn.init.zeros_(self.context_proj.weight)
 
 
 class ConfidenceHead(nn.Module):
@@ -70,16 +80,23 @@ class DSparkDraft(DFlashDraft):
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
         h, r = config.hidden_size, config.markov_rank
-        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size or config.vocab_size, r)
+        self.markov_head = MarkovHead(config.vocab_size, config.draft_vocab_size or config.vocab_size, r,
+                                      h if config.markov_context else 0)
         self.confidence_head = ConfidenceHead(h + r if config.confidence_with_markov else h)
 
-    def markov_bias(self, prev: torch.Tensor) -> torch.Tensor:
-        """prev [...] target token ids -> [..., Vd] logit bias."""
-        return self.markov_head.markov_w2(self.markov_head.markov_w1(prev))
+    def markov_bias(self, prev: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """prev [...] target token ids (and with markov_context the slots' normed outputs [..., h]) -> [..., Vd] logit
+        bias."""
+        head = self.markov_head
+        factor = head.markov_w1(prev)  # [..., r]
+        if self.config.markov_context:
+            factor = factor * (1 + head.context_proj(normed.to(head.context_proj.weight.dtype)))
+        return head.markov_w2(factor)
 
     def corrected_logits(self, out: torch.Tensor, scored_weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """out [..., h] (the draft's output before `norm`), prev [...] -> DFlash's logits + the Markov bias [..., Vd]."""
-        return self.logits(out, scored_weight) + self.markov_bias(prev).to(out.dtype)
+        bias = self.markov_bias(prev, self.norm(out) if self.config.markov_context else None)
+        return self.logits(out, scored_weight) + bias.to(out.dtype)
 
     def confidence_logit(self, normed: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """normed [..., h] (norm(out): what the lm_head reads), prev [...] -> [...] logit of P(slot accepted)."""
@@ -101,6 +118,10 @@ def dspark_export(heads: DSparkDraft, request) -> tuple[dict, dict, dict]:
     # found by name when called, as the declarations name their writers: export_formats imports the registry
     formats = importlib.import_module("headstart.heads.export_formats")
     cfg = heads.config
+    if cfg.markov_context:
+        raise ValueError("this DSpark draft's Markov head reads its slot (markov_context), which vLLM 0.32's dspark "
+                         "loader has no head for: decode it in headstart, or train one with --markov_context false "
+                         "to export")
     config, tensors, notes = formats.dflash_export(heads, request)
     del tensors[formats.MASK_EMBEDDING_FILE]
     embeddings, _ = formats._target_weights(heads, request.target)

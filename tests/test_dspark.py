@@ -38,19 +38,22 @@ TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
 
 
 def make_draft(model, block_size: int = 4, seed: int = 0, draft_vocab: int = 0, rank: int = 8,
-               confidence_bias: float | None = None) -> DSparkDraft:
-    """A random DSpark draft whose Markov bias is large enough to change rankings."""
+               confidence_bias: float | None = None, markov_context: bool = False) -> DSparkDraft:
+    """A random DSpark draft whose Markov bias is large enough to change rankings (with markov_context, a context
+    projection large enough to change it by slot)."""
     torch.manual_seed(seed)
     vocab = model.config.vocab_size
     draft = DSparkDraft(dspark_config_for(model, markov_rank=rank, num_layers=2, block_size=block_size,
                                           mask_token_id=vocab - 1, feature_layers=[1, 3], draft_vocab_size=draft_vocab,
-                                          target_info=target_info("tiny", model)))
+                                          target_info=target_info("tiny", model), markov_context=markov_context))
     if draft_vocab:
         draft.set_draft_vocab(torch.arange(0, vocab, vocab // draft_vocab))
     with torch.no_grad():
         draft.norm.weight.copy_(model.model.norm.weight)
         draft.mask_embedding.copy_(model.get_input_embeddings().weight[3])
         draft.markov_head.markov_w1.weight.normal_(0, 1.0)
+        if markov_context:
+            draft.markov_head.context_proj.weight.normal_(0, 1.0)
         if confidence_bias is not None:  # a constant confidence sigmoid(confidence_bias)
             draft.confidence_head.proj.weight.zero_()
             draft.confidence_head.proj.bias.fill_(confidence_bias)
@@ -161,6 +164,35 @@ def test_training_logits_equal_the_proposer_chain_and_vllm_loop():
     assert vllm_tokens == drafted
 
 
+def test_markov_context_starts_vanilla_and_training_equals_the_proposer_chain():
+    """markov_context: a fresh head's bias is the vanilla one (context_proj zero); with a trained-like projection the
+    bias depends on the slot, the teacher-forced training logits with prev = the drafted tokens give the proposer's
+    chain, and the vLLM export refuses the head it has no loader for."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    fresh = DSparkDraft(dspark_config_for(model, markov_rank=8, mask_token_id=31, feature_layers=[1, 3],
+                                          markov_context=True))
+    prev, normed = torch.tensor([3, 5]), torch.randn(2, 64)
+    with torch.no_grad():
+        vanilla = fresh.markov_head.markov_w2(fresh.markov_head.markov_w1(prev))
+        assert torch.equal(fresh.markov_bias(prev, normed), vanilla)
+    draft = make_draft(model, block_size=5, draft_vocab=16, markov_context=True)
+    with torch.no_grad():
+        assert not torch.allclose(draft.markov_bias(prev, normed), draft.markov_bias(prev, normed.flip(0)))
+    prompt = torch.randint(0, 31, (9,), generator=torch.Generator().manual_seed(4))
+    _, tokens, taps = chain_proposal(model, draft, prompt, 4)
+    drafted = tokens[1:].tolist()
+    n = prompt.numel() - 1
+    block = torch.tensor([[int(prompt[-1])] + [31] * 4])
+    with torch.no_grad():
+        out = BlockDraft(draft)(taps[None], block, model.get_input_embeddings()(block), torch.arange(n, n + 5)[None],
+                                None)[0, 1:]  # [4, h]
+        scored = draft.draft_lm_head_weight(model.lm_head.weight)
+        logits = draft.corrected_logits(out, scored, torch.tensor([int(prompt[-1])] + drafted[:-1]))
+    assert draft.to_target_ids(logits.argmax(-1)).tolist() == drafted
+    with pytest.raises(ValueError, match="markov_context"):
+        dspark_export(draft, ExportRequest("vllm", model, 4))
+
+
 def test_markov_head_changes_the_tree_by_parent():
     """Children of different parents at one depth are ranked from different biases: base + bias(parent token)."""
     model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
@@ -180,10 +212,10 @@ def test_markov_head_changes_the_tree_by_parent():
 # decoding
 
 
-@pytest.mark.parametrize("tree", [CHAIN3, TREE])
-def test_greedy_output_equals_generate(tree):
+@pytest.mark.parametrize("tree,markov_context", [(CHAIN3, False), (TREE, False), (TREE, True)])
+def test_greedy_output_equals_generate(tree, markov_context):
     model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
-    spec = Speculator(model, make_draft(model), tree=tree, cpu_linears=False)
+    spec = Speculator(model, make_draft(model, markov_context=markov_context), tree=tree, cpu_linears=False)
     assert greedy_accepted_tokens(model, spec, 5) > 20
 
 
@@ -265,6 +297,14 @@ def test_train_learns_and_writes_calibration(llama_dir, sd_dir, tmp_path):
     draft = load_heads(tmp_path / "heads", info)
     assert isinstance(draft, DSparkDraft) and draft.config.markov_rank == 8 and draft.token_map.numel() == 64
     assert "DSpark" in (tmp_path / "heads" / "README.md").read_text()
+
+
+def test_train_with_markov_context_learns_the_projection(llama_dir, sd_dir, tmp_path):
+    metrics = main(train_args(llama_dir, sd_dir, tmp_path, "--num_epochs", "2", "--markov_context", "true"))
+    _, _, info = load_target(str(llama_dir))
+    draft = load_heads(tmp_path / "heads", info)
+    assert metrics["markov_context"] is True and draft.config.markov_context
+    assert float(draft.markov_head.context_proj.weight.abs().sum()) > 0  # it left its zero start
 
 
 def test_recipe_parses_and_bad_configs_fail():

@@ -56,6 +56,7 @@ class DSparkTrainConfig(DFlashTrainConfig):
     markov_rank: int = 64  # rank of the Markov head's factors
     confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
     confidence_weight: float = 1.0  # weight of the confidence head's binary cross-entropy in the loss
+    markov_context: bool = False  # the Markov factor also reads its slot's output (headstart's decode loop only)
 
 
 def check_config(cfg: DSparkTrainConfig) -> DSparkTrainConfig:
@@ -150,12 +151,13 @@ def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
     confidence heads added, freshly initialised."""
     backbone = dflash.build_draft(run, cfg)
     config = DSparkConfig(**dict(dataclasses.asdict(backbone.config), method="dspark", markov_rank=cfg.markov_rank,
-                                 confidence_with_markov=cfg.confidence_with_markov))
+                                 confidence_with_markov=cfg.confidence_with_markov, markov_context=cfg.markov_context))
     draft = DSparkDraft(config).to(run.accelerator.device)
     missing, unexpected = draft.load_state_dict(backbone.state_dict(), strict=False)
     assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing), missing
     draft.mask_embedding.requires_grad_(backbone.mask_embedding.requires_grad)  # mask_input target_row: frozen
-    run.accelerator.print(f"DSpark heads: Markov rank {cfg.markov_rank}, confidence head over "
+    run.accelerator.print(f"DSpark heads: Markov rank {cfg.markov_rank}{' reading its slot' if cfg.markov_context else ''}, "
+                          f"confidence head over "
                           f"{draft.confidence_head.proj.in_features} features")
     return draft
 
@@ -165,7 +167,8 @@ def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
         title="DSpark draft", slot="slot",
         method=f"DSpark: a DFlash draft ({cfg.num_layers} decoder layers read the target's layers "
                f"{metrics['feature_layers']} and draft a block of {cfg.block_size - 1} tokens in one forward, mask token "
-               f"{metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token) and a "
+               f"{metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token"
+               f"{' and the slot' if cfg.markov_context else ''}) and a "
                f"confidence head (the chance each slot is accepted)",
         table_caption="at block slot j: the token j positions after the anchor, Markov-corrected",
         lines=[f"Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: "
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "acc": [round(float(a), 4) for a in acc]}
 
     return train_block_drafter(cfg, build_draft, loss, log, evaluate, model_card, DSparkDraft,
-                               {"markov_rank": cfg.markov_rank})
+                               {"markov_rank": cfg.markov_rank, "markov_context": cfg.markov_context})
 
 if __name__ == "__main__":
     run_main(main)
