@@ -8,10 +8,10 @@
 - Confidence head: proj = Linear(h + r, 1) over cat(norm(out_j), markov_w1[prev_j]) (h alone without
   `confidence_with_markov`); sigmoid(proj) estimates P(slot j's drafted token is accepted | slots before it were).
   The running product along the block is the chance the prefix survives; inference/dspark.py cuts the block there.
-- With `markov_context` the Markov factor also reads the slot: bias = markov_w2 . (markov_w1[prev] * (1 +
-  context_proj(norm(out_j)))), a bilinear term in the previous token and the slot's own output (DFlash2's candidate
-  selector scores candidates with such a product); context_proj starts at zero, so training starts from the vanilla
-  head. headstart's own decode loop runs it; vLLM 0.32's loader has no such head, so the export refuses it.
+- With `markov_context` the Markov factor also reads the slot from slot 2 on: bias = markov_w2 . (markov_w1[prev] *
+  (1 + context_proj(norm(out_j)))), a bilinear term in the previous token and the slot's own output (DFlash2's
+  candidate selector scores candidates with such a product); slot 1, whose previous token is the anchor the block
+  already reads, keeps the vanilla bias. context_proj starts at zero, so training starts from the vanilla head. headstart's own decode loop runs it; vLLM 0.32's loader has no such head, so the export refuses it.
 
 The layout is DFlash's fill-in one (vLLM `sample_from_anchor: false`): block [x_p, mask x (B - 1)], slot j predicts
 x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `markov_head.markov_w1.weight`,
@@ -85,18 +85,22 @@ class DSparkDraft(DFlashDraft):
         self.confidence_head = ConfidenceHead(h + r if config.confidence_with_markov else h)
 
     def markov_bias(self, prev: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
-        """prev [...] target token ids (and with markov_context the slots' normed outputs [..., h]) -> [..., Vd] logit
-        bias."""
+        """prev [...] target token ids (and with markov_context the slots' normed outputs [..., h]; None at slot 1)
+        -> [..., Vd] logit bias."""
         head = self.markov_head
         factor = head.markov_w1(prev)  # [..., r]
-        if self.config.markov_context:
+        if normed is not None:
             factor = factor * (1 + head.context_proj(normed.to(head.context_proj.weight.dtype)))
         return head.markov_w2(factor)
 
-    def corrected_logits(self, out: torch.Tensor, scored_weight: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """out [..., h] (the draft's output before `norm`), prev [...] -> DFlash's logits + the Markov bias [..., Vd]."""
-        bias = self.markov_bias(prev, self.norm(out) if self.config.markov_context else None)
-        return self.logits(out, scored_weight) + bias.to(out.dtype)
+    def corrected_logits(self, out: torch.Tensor, scored_weight: torch.Tensor, prev: torch.Tensor,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
+        """out [..., h] (the draft's output before `norm`), prev [...] -> DFlash's logits + the Markov bias [..., Vd].
+        With markov_context, slots [...] (0 for slot 1) says where the bias reads its slot: from slot 2 on."""
+        normed = None
+        if self.config.markov_context:
+            normed = self.norm(out) * (slots > 0)[..., None]  # zero at slot 1: the vanilla bias there
+        return self.logits(out, scored_weight) + self.markov_bias(prev, normed).to(out.dtype)
 
     def confidence_logit(self, normed: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """normed [..., h] (norm(out): what the lm_head reads), prev [...] -> [...] logit of P(slot accepted)."""
@@ -153,5 +157,6 @@ DSPARK = dataclasses.replace(
     refusals={fmt: ("headstart exports DSpark drafts for vLLM only (method: dspark); {fmt} is not checked against a "
                     "loader: use --format vllm") for fmt in ("sglang", "speculators", "llamacpp")},
     engine_export="headstart.heads.dspark:dspark_export", gguf_export=None,
-    bench_info=lambda config: {"method": "dspark", "block_size": config.block_size, "markov_rank": config.markov_rank},
+    bench_info=lambda config: {"method": "dspark", "block_size": config.block_size, "markov_rank": config.markov_rank,
+                               "markov_context": config.markov_context},
 )

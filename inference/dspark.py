@@ -4,7 +4,7 @@ says how deep to verify.
 
 1. base logits [depth, Vd] of slots 1..depth from the one block forward (DFlash's `block_logits`);
 2. a node at depth d whose parent holds token t scores base[d - 1] + markov_bias(t) (heads/dspark.py; with
-   markov_context also of slot d's normed output); its rank-r child takes rank r of those. A chain is vLLM's DSpark loop exactly: argmax, then prev = that token. The drafted
+   markov_context also of slot d's normed output, d >= 2); its rank-r child takes rank r of those. A chain is vLLM's DSpark loop exactly: argmax, then prev = that token. The drafted
    tokens are a function of the context alone, so verification (inference/verify.py) stays lossless;
 3. along the tree's rank-0 chain, c_d = sigmoid(confidence_logit(norm(out_d), parent token)); the chance that the
    first n drafted tokens are all accepted is S_n = c_1 ... c_n, so verifying down to depth n is expected to give
@@ -72,7 +72,8 @@ class DSparkProposer(DFlashProposer):
             if not children:
                 continue
             prev, slot = torch.tensor(tokens[parent], device=device), tree.depths[parent]
-            normed = self._normed[slot] if self.draft.config.markov_context else None  # the child's slot [h]
+            # markov_context: the child's slot output [h], from slot 2 on (heads/dspark.py)
+            normed = self._normed[slot] if self.draft.config.markov_context and slot > 0 else None
             scores = base[slot] + self.draft.markov_bias(prev, normed).to(base.dtype)  # [Vd]
             ranked = self.draft.to_target_ids(scores.topk(max(tree.ranks[c] for c in children) + 1).indices).tolist()
             for child in children:

@@ -166,8 +166,8 @@ def test_training_logits_equal_the_proposer_chain_and_vllm_loop():
 
 def test_markov_context_starts_vanilla_and_training_equals_the_proposer_chain():
     """markov_context: a fresh head's bias is the vanilla one (context_proj zero); with a trained-like projection the
-    bias depends on the slot, the teacher-forced training logits with prev = the drafted tokens give the proposer's
-    chain, and the vLLM export refuses the head it has no loader for."""
+    bias depends on the slot from slot 2 on, the teacher-forced training logits with prev = the drafted tokens give
+    the proposer's chain, and the vLLM export refuses the head it has no loader for."""
     model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
     fresh = DSparkDraft(dspark_config_for(model, markov_rank=8, mask_token_id=31, feature_layers=[1, 3],
                                           markov_context=True))
@@ -187,8 +187,11 @@ def test_markov_context_starts_vanilla_and_training_equals_the_proposer_chain():
         out = BlockDraft(draft)(taps[None], block, model.get_input_embeddings()(block), torch.arange(n, n + 5)[None],
                                 None)[0, 1:]  # [4, h]
         scored = draft.draft_lm_head_weight(model.lm_head.weight)
-        logits = draft.corrected_logits(out, scored, torch.tensor([int(prompt[-1])] + drafted[:-1]))
+        prev = torch.tensor([int(prompt[-1])] + drafted[:-1])
+        logits = draft.corrected_logits(out, scored, prev, torch.arange(4))
+        slot1 = draft.logits(out[:1], scored) + draft.markov_bias(prev[:1])
     assert draft.to_target_ids(logits.argmax(-1)).tolist() == drafted
+    torch.testing.assert_close(logits[:1], slot1)  # slot 1: the vanilla bias from the anchor
     with pytest.raises(ValueError, match="markov_context"):
         dspark_export(draft, ExportRequest("vllm", model, 4))
 

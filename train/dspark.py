@@ -74,6 +74,12 @@ def previous_tokens(prep: dict) -> torch.Tensor:
     return torch.cat([anchors, prep["labels"][..., :-1]], dim=-1)
 
 
+def slot_index(prep: dict) -> torch.Tensor:
+    """Each drafted slot's index in its block [B, K, Bk-1]: 0 for slot 1."""
+    B, K, S = prep["labels"].shape
+    return torch.arange(S, device=prep["labels"].device).expand(B, K, S)
+
+
 def slot_accepted(logits: torch.Tensor, draft_labels: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
     """logits [..., Vd], the data tokens' draft indices and in-vocabulary mask [...] -> bool [...]: the draft's
     argmax is the data token (the confidence head's target)."""
@@ -86,7 +92,7 @@ def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch
     + confidence_weight x the weighted BCE of the confidence head / denom, sums: DFlash's plus bce and conf_hits)."""
     sel = prep["selected"]
     prev = previous_tokens(prep)[sel]  # [N]
-    logits = draft.corrected_logits(out, scored, prev)  # [N, Vd]
+    logits = draft.corrected_logits(out, scored, prev, slot_index(prep)[sel])  # [N, Vd]
     loss, sums = block_loss(logits, prep, denom, cfg)
     truth, in_vocab = prep["draft_labels"][sel], prep["in_vocab"][sel]
     if prep["greedy_labels"] is not None:  # supervise_prompt: off the answers, the target's greedy token verifies
@@ -120,7 +126,7 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
                              cfg.eval_anchors)
         out = slot_outputs(model, prep)[0]  # [K, S, h]
         prev = previous_tokens(prep)[0]  # [K, S]
-        logits = draft.corrected_logits(out, scored, prev).float()  # [K, S, Vd]
+        logits = draft.corrected_logits(out, scored, prev, slot_index(prep)[0]).float()  # [K, S, Vd]
         labels, in_vocab, sup = prep["draft_labels"][0], prep["in_vocab"][0], prep["supervised"][0]
         real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
         # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
