@@ -11,7 +11,8 @@
 - With `markov_context` the Markov factor also reads the slot from slot 2 on: bias = markov_w2 . (markov_w1[prev] *
   (1 + context_proj(norm(out_j)))), a bilinear term in the previous token and the slot's own output (DFlash2's
   candidate selector scores candidates with such a product); slot 1, whose previous token is the anchor the block
-  already reads, keeps the vanilla bias. context_proj starts at zero, so training starts from the vanilla head. headstart's own decode loop runs it; vLLM 0.32's loader has no such head, so the export refuses it.
+  already reads, keeps the vanilla bias. context_proj starts at zero, so training starts from the vanilla head.
+  headstart's own decode loop runs it; vLLM 0.32's loader has no such head, so the export refuses it.
 
 The layout is DFlash's fill-in one (vLLM `sample_from_anchor: false`): block [x_p, mask x (B - 1)], slot j predicts
 x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `markov_head.markov_w1.weight`,
@@ -39,7 +40,8 @@ class DSparkConfig(DFlashConfig):
     method: str = "dspark"
     markov_rank: int = 64  # r of the Markov head's factors (vLLM's markov_rank; the references use 256)
     confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
-    # True: the Markov factor is scaled by (1 + context_proj(norm(out))) of its slot. Absent from a config.json: False
+    # True: from slot 2 on the Markov factor is scaled by (1 + context_proj(norm(out))) of its slot. Absent from a
+    # config.json: False (older drafts)
     markov_context: bool = False
 
     def __post_init__(self):

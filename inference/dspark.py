@@ -4,8 +4,9 @@ says how deep to verify.
 
 1. base logits [depth, Vd] of slots 1..depth from the one block forward (DFlash's `block_logits`);
 2. a node at depth d whose parent holds token t scores base[d - 1] + markov_bias(t) (heads/dspark.py; with
-   markov_context also of slot d's normed output, d >= 2); its rank-r child takes rank r of those. A chain is vLLM's DSpark loop exactly: argmax, then prev = that token. The drafted
-   tokens are a function of the context alone, so verification (inference/verify.py) stays lossless;
+   markov_context also of slot d's normed output, d >= 2); its rank-r child takes rank r of those. A chain is
+   vLLM's DSpark loop exactly: argmax, then prev = that token. The drafted tokens are a function of the context
+   alone, so verification (inference/verify.py) stays lossless;
 3. along the tree's rank-0 chain, c_d = sigmoid(confidence_logit(norm(out_d), parent token)); the chance that the
    first n drafted tokens are all accepted is S_n = c_1 ... c_n, so verifying down to depth n is expected to give
    1 + S_1 + ... + S_n tokens. When the adaptive policy drives the proposer (`resize`, inference/adapt.py), the

@@ -162,8 +162,8 @@ def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
     missing, unexpected = draft.load_state_dict(backbone.state_dict(), strict=False)
     assert not unexpected and all(n.startswith(("markov_head.", "confidence_head.")) for n in missing), missing
     draft.mask_embedding.requires_grad_(backbone.mask_embedding.requires_grad)  # mask_input target_row: frozen
-    run.accelerator.print(f"DSpark heads: Markov rank {cfg.markov_rank}{' reading its slot' if cfg.markov_context else ''}, "
-                          f"confidence head over "
+    reads = " reading its slot" if cfg.markov_context else ""
+    run.accelerator.print(f"DSpark heads: Markov rank {cfg.markov_rank}{reads}, confidence head over "
                           f"{draft.confidence_head.proj.in_features} features")
     return draft
 
