@@ -77,6 +77,13 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(in_features, 1)
 
+    @torch.no_grad()
+    def rescale(self, scale: float, shift: float) -> None:
+        """Fold a Platt scaling into proj: its logit z becomes scale * z + shift (the same tensors, so any loader
+        reads the scaled head)."""
+        self.proj.weight.mul_(scale)
+        self.proj.bias.mul_(scale).add_(shift)
+
 
 class DSparkDraft(DFlashDraft):
     def __init__(self, config: DSparkConfig):
@@ -110,6 +117,45 @@ class DSparkDraft(DFlashDraft):
         if self.config.confidence_with_markov:
             x = torch.cat([normed, self.markov_head.markov_w1(prev).to(normed.dtype)], dim=-1)
         return self.confidence_head.proj(x).squeeze(-1)
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+ECE_BINS = 10  # equal-width bins of the survival S_j for its calibration error
+
+
+def calibration(sums: dict[str, torch.Tensor]) -> dict:
+    """The confidence head's calibration from summed counts (train/dspark.py's held-out blocks, or
+    `chain_confidence_sums` of decoded chains): by_slot [3, S] (where the slots before j were accepted: summed c_j,
+    slot j accepted, slots), bins [3, ECE_BINS] (per survival bin: summed S_j, slots 1..j all accepted, slots),
+    chain [2] (summed expected drafted tokens sum_j S_j, chains) -> `expected_chain_tokens`, `confidence_by_slot`,
+    `accepted_by_slot`, `survival_ece`."""
+    by_slot, bins, chain = sums["by_slot"], sums["bins"], sums["chain"]
+    return {"expected_chain_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4),
+            "confidence_by_slot": [round(float(c), 4) for c in by_slot[0] / by_slot[2].clamp(min=1)],
+            "accepted_by_slot": [round(float(a), 4) for a in by_slot[1] / by_slot[2].clamp(min=1)],
+            "survival_ece": round(float((bins[0] - bins[1]).abs().sum() / bins[2].sum().clamp(min=1)), 4)}
+
+
+def chain_confidence_sums(steps: list[tuple[list[float], int]]) -> dict[str, torch.Tensor]:
+    """Decoded steps, each (c_1 .. c_S along the drafted chain, how many of its tokens were accepted) -> the sums
+    `calibration` reads."""
+    S = max(len(conf) for conf, _ in steps)
+    conf = torch.zeros(len(steps), S, dtype=torch.float64)  # [n, S], zero past a step's own chain
+    drafted = torch.zeros(len(steps), S, dtype=torch.bool)
+    accepted = torch.tensor([a for _, a in steps])  # [n]
+    for i, (c, _) in enumerate(steps):
+        conf[i, : len(c)] = torch.tensor(c, dtype=torch.float64)
+        drafted[i, : len(c)] = True
+    slot = torch.arange(S)
+    before = (accepted[:, None] >= slot) & drafted  # [n, S] slots 1..j-1 accepted
+    hit = (accepted[:, None] > slot) & drafted  # slot j accepted (with every slot before it)
+    survival = conf.cumprod(1) * drafted
+    index = (survival * ECE_BINS).long().clamp(max=ECE_BINS - 1)[drafted]
+    return {"by_slot": torch.stack([(conf * before).sum(0), hit.double().sum(0), before.double().sum(0)]),
+            "bins": torch.stack([torch.bincount(index, weights=w[drafted].double(), minlength=ECE_BINS)
+                                 for w in (survival, hit.double(), torch.ones_like(survival))]),
+            "chain": torch.tensor([float(survival.sum()), float(len(steps))], dtype=torch.float64)}
 
 
 # ----------------------------------------------------------------------------------------------------------- export

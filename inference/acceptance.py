@@ -11,7 +11,9 @@ else the default; or --tree), with lookup drafting off and on; the table gives t
 With --chain each heads directory decodes a greedy chain as deep as its export serves (Medusa: its heads; DFlash:
 block_size - 1; EAGLE: its evaluated depth), lookup off, and the histogram of accepted lengths over all families is
 written into the heads directory as chain_acceptance.json: the export predicts an engine's served speedup from it
-(heads/served_speed.py), since engines verify chains, and held-out families are what users' prompts look like.
+(heads/served_speed.py), since engines verify chains, and held-out families are what users' prompts look like. For
+a draft with a confidence head (DSpark) it also holds `confidence`: how well the head foresaw those chains
+(heads/dspark.py calibration: expected against accepted tokens a chain, by slot, survival calibration error).
 
     python -m headstart.inference.acceptance --chain --heads runs/demo/medusa/heads
 """
@@ -28,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from headstart.heads.chat import prompt_ids
+from headstart.heads.dspark import calibration, chain_confidence_sums
 from headstart.heads.output_dir import OutputDirError, refuse_link, write_file
 from headstart.heads.prompt_rows import pick_per_category
 from headstart.heads.prompts import PromptSourceError, load_prompts
@@ -41,6 +44,7 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
     ("skipped_too_long"). `bar` advances by one a prompt."""
     sums: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     hists: dict[str, list[int]] = collections.defaultdict(list)  # steps that accepted a = 0, 1, ... drafted tokens
+    confidence: dict[str, list] = collections.defaultdict(list)  # a draft with a confidence head: its steps
     context = getattr(spec.model.config, "max_position_embeddings", None)
     for row in rows:
         ids = prompt_ids(spec.tokenizer, row.turns[0], row.system)
@@ -57,10 +61,15 @@ def heldout_tau(spec: Speculator, rows: list, max_new_tokens: int, lookup: bool,
                 hist.extend([0] * (len(stats.accept_hist) - len(hist)))
                 for accepted, steps in enumerate(stats.accept_hist):
                     hist[accepted] += steps
+                confidence[key].extend(stats.confidence_steps)
         if bar is not None:
             bar.update(1)
-    return {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None,
-                  "accept_hist": hists[key]} for key, counts in sums.items()}
+    out = {key: {**counts, "tau": round(counts["tokens"] / counts["forwards"], 3) if counts["forwards"] else None,
+                 "accept_hist": hists[key]} for key, counts in sums.items()}
+    for key, steps in confidence.items():  # how well the confidence head foresaw these prompts' acceptance
+        if steps:
+            out[key]["confidence"] = calibration(chain_confidence_sums(steps))
+    return out
 
 
 def chain_depth(spec: Speculator) -> int:
@@ -86,6 +95,8 @@ def write_chain_acceptance(spec: Speculator, rows: list, max_new_tokens: int, pr
     record = {"prompts": prompts, "per_category": per_category, "max_new_tokens": max_new_tokens, "depth": depth,
               "accept_hist": hist + [0] * (depth + 1 - len(hist)), "tau": by_family["all"]["tau"],
               "tau_by_family": {key: v["tau"] for key, v in sorted(by_family.items())}}
+    if "confidence" in by_family["all"]:
+        record["confidence"] = by_family["all"]["confidence"]
     write_file(Path(spec.heads_dir) / CHAIN_FILE, json.dumps(record, indent=1) + "\n")
     return record
 
@@ -160,6 +171,12 @@ def chain_main(args: argparse.Namespace, rows: list) -> int:
         families = ", ".join(f"{key} {tau:.2f}" for key, tau in record["tau_by_family"].items() if tau is not None)
         print(f"{heads}: greedy chain of {record['depth']}, tau by family: {families}; wrote "
               f"{Path(heads) / 'chain_acceptance.json'}")
+        if "confidence" in record:
+            conf = record["confidence"]
+            hist = record["accept_hist"]
+            accepted = sum(a * steps for a, steps in enumerate(hist)) / sum(hist)
+            print(f"  its confidence head expected {conf['expected_chain_tokens']:.3f} accepted tokens a chain "
+                  f"(accepted {accepted:.3f}); survival calibration error {conf['survival_ece']:.3f}")
     bar.close()
     return 0
 

@@ -36,6 +36,9 @@ class GenerateStats:
     tree_size: int = 0  # nodes of the last tree (root included)
     proposals: dict[str, int] = field(default_factory=dict)  # adaptive: steps per plan kind (plain/heads/lookup/both)
     step_sizes: dict[int, int] = field(default_factory=dict)  # adaptive: steps per verified tree size
+    # a fixed tree drafted by a proposer with a confidence head: per drafted step, (c_1 .. along its rank-0 chain,
+    # how many nodes of that chain were accepted)
+    confidence_steps: list[tuple[list[float], int]] = field(default_factory=list)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0  # target tree forward + acceptance + cache compaction
@@ -177,6 +180,7 @@ def speculative_generate(
 
     while not stopped and len(emitted) < max_new_tokens:
         t0 = time.perf_counter()
+        confidence: list[float] = []  # this step's draft's confidence head, when it has one
         if policy is not None:
             plan = policy.plan(context)
             heads_tree = heads_tokens = None
@@ -195,6 +199,7 @@ def speculative_generate(
             else:
                 tree, tokens = proposer(DraftInput(hidden=hidden_last, root=root, context=context, features=taps))
                 taps = None  # handed over
+                confidence = list(proposer.confidence)
         t1 = time.perf_counter()
         if tree.size == 1:  # a plain step: the one-token forward plain decoding runs (no mask), nothing to drop
             logits, hidden, tree_taps = target_forward(model, tokens[None].to(device), cache,
@@ -219,6 +224,11 @@ def speculative_generate(
             stats.accept_hist.append(0)
         stats.accept_hist[len(path) - 1] += 1
         stats.tree_size = tree.size
+        if confidence:
+            on_chain = 0  # accepted nodes along the rank-0 chain the confidences are of
+            while on_chain + 1 < len(path) and tree.ranks[path[on_chain + 1]] == 0:
+                on_chain += 1
+            stats.confidence_steps.append((confidence, on_chain))
 
         prefix_len += len(path)
         hidden_last = hidden[path[-1]]

@@ -331,6 +331,9 @@ class Proposer:
 
     feature_layers: list[int] | None = None  # the target taps it reads; None: the final hidden state only
     resizable: bool = False  # resize(choices) is implemented
+    # a draft with a confidence head (DSpark): after each call, c_1 .. along the drafted tree's rank-0 chain (each the
+    # chance that node is accepted when the ones before it were); empty for the others
+    confidence: Sequence[float] = ()
 
     def reset(self) -> None:
         """Forget the previous sequence (before each prefill): a stateless proposer has nothing to forget."""

@@ -262,6 +262,10 @@ def check_outputs(module: str, args: list[str], printed: str) -> None:
         assert all(f"\n{method} " in printed for method in methods)  # a summary row for each method asked for
     elif module == "headstart.inference.acceptance" and "--chain" in args:
         assert "greedy chain of" in printed and (Path(last_value(args, "--heads")) / "chain_acceptance.json").is_file()
+        heads = args[args.index("--heads") + 1:]
+        for head in heads[:next((i for i, a in enumerate(heads) if a.startswith("--")), len(heads))]:
+            if json.loads((Path(head) / "config.json").read_text()).get("method") == "dspark":  # its confidence head too
+                assert "confidence" in json.loads((Path(head) / "chain_acceptance.json").read_text())
     elif module == "headstart.inference.acceptance":
         assert "| heads | lookup |" in printed and Path(last_value(args, "--output")).is_file()
     elif module == "headstart.inference.replay":

@@ -17,11 +17,14 @@ from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-laye
 from test_infer_dflash import greedy_accepted_tokens
 from transformers import DynamicCache
 
-from headstart.heads.dspark import DSPARK, DSparkConfig, DSparkDraft, dspark_config_for, dspark_export
+from headstart.heads.dspark import (DSPARK, DSparkConfig, DSparkDraft, calibration, chain_confidence_sums,
+                                    dspark_config_for, dspark_export)
 from headstart.heads.export_formats import ExportRequest
 from headstart.heads.load import load_heads
 from headstart.heads.methods import method_of
 from headstart.heads.target import load_target, target_info
+from headstart.inference import decode
+from headstart.inference.acceptance import main as acceptance_main
 from headstart.inference.adapt import StepCost
 from headstart.inference.dspark import DSparkProposer
 from headstart.inference.forward import target_forward
@@ -29,7 +32,8 @@ from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
 from headstart.train.config import ConfigError, parse_config
 from headstart.train.dflash import BlockDraft
-from headstart.train.dspark import DSparkTrainConfig, check_config, dspark_loss, main, previous_tokens
+from headstart.train.dspark import (LOGIT_BINS, LOGIT_MAX, LOGIT_STEP, DSparkTrainConfig, check_config, dspark_loss,
+                                    fit_platt, main, previous_tokens)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -222,6 +226,51 @@ def test_greedy_output_equals_generate(tree, markov_context):
     assert greedy_accepted_tokens(model, spec, 5) > 20
 
 
+@pytest.mark.parametrize("tree", [CHAIN3, TREE])
+def test_fixed_tree_records_the_confidence_head_s_steps(tree, monkeypatch):
+    """Decoding a fixed tree records, per step, c_1 .. along the tree's rank-0 chain (the proposer's) and how many of
+    that chain's nodes the verified path kept; the adaptive loop records nothing."""
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
+    spec = Speculator(model, make_draft(model), tree=tree, cpu_linears=False)
+    prompt = torch.randint(0, 15, (1, 7), generator=torch.Generator().manual_seed(2))  # one with accepted tokens
+    paths, confidences, accept, call = [], [], decode._accept, DSparkProposer.__call__
+
+    def spy_accept(tree, *args, **kwargs):
+        path, bonus = accept(tree, *args, **kwargs)
+        paths.append((tree, path))
+        return path, bonus
+
+    def spy_call(self, inp):
+        out = call(self, inp)
+        confidences.append(list(self.confidence))
+        return out
+
+    monkeypatch.setattr(decode, "_accept", spy_accept)
+    monkeypatch.setattr(DSparkProposer, "__call__", spy_call)
+    stats = spec.generate(prompt, 30, stop_token_ids=[], adaptive=False, lookup=False).stats
+    on_chain = []
+    for tree_used, path in paths:
+        kept = 0
+        while kept + 1 < len(path) and tree_used.ranks[path[kept + 1]] == 0:
+            kept += 1
+        on_chain.append(kept)
+    assert stats.confidence_steps == list(zip(confidences, on_chain)) and len(on_chain) == stats.decode_forwards
+    assert all(len(c) == 3 and all(0 < x < 1 for x in c) for c in confidences)
+    accepted = sum(a * n for a, n in enumerate(stats.accept_hist))
+    # a chain: every accepted token is on it; the tree here also accepted off its rank-0 chain
+    assert sum(on_chain) == accepted > 0 if tree == CHAIN3 else 0 < sum(on_chain) < accepted
+    assert spec.generate(prompt, 30, stop_token_ids=[], adaptive=True, lookup=False).stats.confidence_steps == []
+
+
+def test_calibration_of_decoded_chains_by_hand():
+    sums = chain_confidence_sums([([0.5, 0.5], 0), ([0.8, 0.5], 2), ([0.8, 0.25], 1)])
+    got = calibration(sums)
+    assert got["confidence_by_slot"] == [0.7, 0.375] and got["accepted_by_slot"] == [0.6667, 0.5]
+    assert got["expected_chain_tokens"] == round(2.95 / 3, 4)
+    # survivals .5 .25 | .8 .4 | .8 .2 against 0 0 | 1 1 | 1 0: bins 2, 4, 5, 8 off by .45, .6, .5, .4 over 6 slots
+    assert got["survival_ece"] == round(1.95 / 6, 4)
+
+
 @pytest.mark.parametrize("bias,drafts", [(-30.0, False), (30.0, True)])
 def test_confidence_cut_is_lossless_at_both_ends(bias, drafts):
     """Confidence 0: the adaptive cut verifies no drafted token (every step plain); confidence 1: the whole tree.
@@ -300,6 +349,66 @@ def test_train_learns_and_writes_calibration(llama_dir, sd_dir, tmp_path):
     draft = load_heads(tmp_path / "heads", info)
     assert isinstance(draft, DSparkDraft) and draft.config.markov_rank == 8 and draft.token_map.numel() == 64
     assert "DSpark" in (tmp_path / "heads" / "README.md").read_text()
+
+
+def platt_counts(z: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """[2, LOGIT_BINS] (accepted, slots) per logit bin, as train/dspark.py evaluate counts them."""
+    z_bin = ((z + LOGIT_MAX) / LOGIT_STEP).long().clamp(0, LOGIT_BINS - 1)
+    return torch.stack([torch.bincount(z_bin, weights=accepted.float(), minlength=LOGIT_BINS),
+                        torch.bincount(z_bin, minlength=LOGIT_BINS).float()])
+
+
+def test_platt_fit_recovers_a_known_scaling_and_refuses_to_invert():
+    gen = torch.Generator().manual_seed(0)
+    z = torch.rand(400_000, generator=gen) * 16 - 8  # [n] an overconfident head's logits
+    accepted = torch.rand(z.shape, generator=gen) < torch.sigmoid(0.5 * z - 1.0)  # the truth: scale .5, shift -1
+    fit = fit_platt(platt_counts(z, accepted))
+    assert fit["slots"] == z.numel()
+    assert abs(fit["scale"] - 0.5) < 0.01 and abs(fit["shift"] + 1.0) < 0.02, fit
+    # logits that rank the slots backwards: scale 0 and the base rate, never an inverted head
+    reversed_accepted = torch.rand(z.shape, generator=gen) < torch.sigmoid(-z)
+    backwards = fit_platt(platt_counts(z, reversed_accepted))
+    assert backwards["scale"] == 0.0
+    assert abs(float(torch.sigmoid(torch.tensor(backwards["shift"]))) - float(reversed_accepted.float().mean())) < 1e-6
+    # nothing to fit: every slot accepted, or none
+    for every in (True, False):
+        same = fit_platt(platt_counts(z, torch.full(z.shape, every)))
+        assert (same["scale"], same["shift"]) == (1.0, 0.0)
+
+
+def test_rescale_folds_the_scaling_into_the_head():
+    torch.manual_seed(0)
+    draft = DSparkDraft(dspark_config_for(tiny_model(), markov_rank=4, num_layers=1, block_size=4, mask_token_id=0))
+    normed, prev = torch.randn(5, draft.config.hidden_size), torch.randint(0, draft.config.vocab_size, (5,))
+    before = draft.confidence_logit(normed, prev)
+    draft.confidence_head.rescale(0.4, -1.5)
+    torch.testing.assert_close(draft.confidence_logit(normed, prev), 0.4 * before - 1.5)
+
+
+def test_train_calibrates_the_confidence_head_on_the_held_out_rows(llama_dir, sd_dir, tmp_path):
+    """The same run with and without calibrate_confidence: the calibrated head is the other's with its fit folded in,
+    and `before` holds the other run's figures."""
+    raw = main(train_args(llama_dir, sd_dir, tmp_path / "raw", "--num_epochs", "2", "--calibrate_confidence", "false"))
+    cal = main(train_args(llama_dir, sd_dir, tmp_path / "cal", "--num_epochs", "2"))
+    assert "confidence_calibration" not in raw and "platt_fit" not in raw and "platt_fit" not in cal
+    fit = cal["confidence_calibration"]
+    assert fit["before"] == {k: raw[k] for k in ("expected_chain_tokens", "confidence_by_slot", "survival_ece")}
+    assert fit["slots"] > 0 and fit["scale"] >= 0 and cal["top1"] == raw["top1"]
+    _, _, info = load_target(str(llama_dir))
+    heads = [load_heads(tmp_path / run / "heads", info).confidence_head.proj for run in ("raw", "cal")]
+    torch.testing.assert_close(heads[1].weight, fit["scale"] * heads[0].weight, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(heads[1].bias, fit["scale"] * heads[0].bias + fit["shift"], rtol=1e-5, atol=1e-5)
+    assert "Platt-scaled" in (tmp_path / "cal" / "heads" / "README.md").read_text()
+    # the held-out chains' acceptance records how well the head foresaw them, counted from the same steps
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [text], "category": "chat"}) + "\n"
+                               for text in ("Tell me a story.", "Name three colours.")))
+    assert acceptance_main(["--chain", "--heads", str(tmp_path / "cal" / "heads"), "--prompts", str(prompts),
+                            "--per_category", "2", "--max_new_tokens", "16"]) == 0
+    chain = json.loads((tmp_path / "cal" / "heads" / "chain_acceptance.json").read_text())
+    hist, conf = chain["accept_hist"], chain["confidence"]
+    assert conf["accepted_by_slot"][0] == round(sum(hist[1:]) / sum(hist), 4) and len(conf["confidence_by_slot"]) == 3
+    assert 0 < conf["expected_chain_tokens"] <= 3 and 0 <= conf["survival_ece"] <= 1
 
 
 def test_train_with_markov_context_learns_the_projection(llama_dir, sd_dir, tmp_path):

@@ -24,6 +24,14 @@ Markov-corrected logits, plus the confidence head's calibration on the held-out 
 `confidence_by_slot` (mean c_j where slots < j were accepted) beside `accepted_by_slot` (how often slot j then was),
 `expected_chain_tokens` (mean of sum_j S_j, S_j = c_1 .. c_j) beside chain_accepted_tokens, and `survival_ece`
 (expected calibration error of S_j against "slots 1..j all accepted", 10 equal-width bins).
+
+The head learns on the training rows, where the draft is right far more often than on rows it never saw, so it comes
+out overconfident. With `calibrate_confidence` (the default) the end of training fits Platt scaling to the held-out
+rows, c = sigmoid(scale * z + shift) over the head's logits z at the slots whose prefix was accepted (the c_j the
+adaptive cut multiplies), and folds it into `confidence_head.proj` (weight x scale, bias x scale + shift): the same
+tensors, so an engine's export reads the calibrated head. The held-out figures above are then the calibrated head's
+(on the rows it was fitted to: two parameters over thousands of slots), and `confidence_calibration` keeps the fit
+and the figures before it.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from headstart.heads.dspark import DSparkConfig, DSparkDraft
+from headstart.heads.dspark import ECE_BINS, DSparkConfig, DSparkDraft, calibration
 from headstart.train import dflash
 from headstart.train.card import CardText, heads_card
 from headstart.train.cli import run_main
@@ -46,7 +54,10 @@ from headstart.train.evaluate import RANKS, SlotScores, evaluate_slots, truth_ra
 from headstart.train.features import FeatureSource
 from headstart.train.loop import Run
 
-ECE_BINS = 10
+# Platt scaling's data: the head's logits z on held-out slots, counted in bins of LOGIT_STEP over
+# [-LOGIT_MAX, LOGIT_MAX]
+LOGIT_MAX, LOGIT_STEP = 12.0, 0.05
+LOGIT_BINS = round(2 * LOGIT_MAX / LOGIT_STEP)
 
 
 @dataclass
@@ -57,6 +68,7 @@ class DSparkTrainConfig(DFlashTrainConfig):
     confidence_with_markov: bool = True  # the confidence head reads markov_w1[prev] beside the slot's output
     confidence_weight: float = 1.0  # weight of the confidence head's binary cross-entropy in the loss
     markov_context: bool = False  # the Markov factor also reads its slot's output (headstart's decode loop only)
+    calibrate_confidence: bool = True  # fit Platt scaling of the confidence head to the held-out rows at the end
 
 
 def check_config(cfg: DSparkTrainConfig) -> DSparkTrainConfig:
@@ -106,13 +118,46 @@ def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch
     return loss + cfg.confidence_weight * bce / denom.clamp(min=1e-9), sums
 
 
-def calibration(sums: dict[str, torch.Tensor]) -> dict:
-    """The confidence head's held-out figures from evaluate's summed counts (summed over rows and processes)."""
-    by_slot, bins, chain = sums["by_slot"], sums["bins"], sums["chain"]
-    return {"expected_chain_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4),
-            "confidence_by_slot": [round(float(c), 4) for c in by_slot[0] / by_slot[2].clamp(min=1)],
-            "accepted_by_slot": [round(float(a), 4) for a in by_slot[1] / by_slot[2].clamp(min=1)],
-            "survival_ece": round(float((bins[0] - bins[1]).abs().sum() / bins[2].sum().clamp(min=1)), 4)}
+def held_out_calibration(sums: dict[str, torch.Tensor]) -> dict:
+    """The confidence head's held-out figures (heads/dspark.py calibration) from evaluate's summed counts (summed
+    over rows and processes), and the Platt fit to them (`platt_fit`)."""
+    return {**calibration(sums), "platt_fit": fit_platt(sums["logits"])}
+
+
+def fit_platt(counts: torch.Tensor) -> dict:
+    """counts [2, LOGIT_BINS] (accepted, slots in each logit bin) -> {"scale", "shift", "slots"}: the maximum
+    likelihood sigmoid(scale * z + shift) of the accepted slots (Newton's method with step halving on the two
+    parameters; the problem is convex). scale stays >= 0: a head whose logits rank the slots backwards gets scale 0
+    and the base rate. With no accepted or no rejected slot there is nothing to fit: scale 1, shift 0."""
+    z = -LOGIT_MAX + LOGIT_STEP * (torch.arange(LOGIT_BINS, dtype=torch.float64) + 0.5)  # the bins' centres
+    accepted, slots = counts[0].double().cpu(), counts[1].double().cpu()
+    total, hits = float(slots.sum()), float(accepted.sum())
+    if hits == 0 or hits == total:
+        return {"scale": 1.0, "shift": 0.0, "slots": int(total)}
+    x = torch.stack([z, torch.ones_like(z)], dim=1)  # [bins, 2]
+
+    def nll(theta: torch.Tensor) -> float:  # the negative log-likelihood of the accepted slots
+        s = x @ theta
+        return float((slots * F.softplus(s) - accepted * s).sum())
+
+    theta = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    loss = nll(theta)
+    for _ in range(100):
+        p = torch.sigmoid(x @ theta)  # [bins]
+        grad = x.t() @ (slots * p - accepted)
+        hess = x.t() @ (x * (slots * p * (1 - p))[:, None]) + 1e-9 * torch.eye(2, dtype=torch.float64)
+        step = torch.linalg.solve(hess, grad)
+        rate = 1.0  # halved until the step lowers the loss: a full Newton step overshoots from far away
+        while nll(theta - rate * step) > loss and rate > 1e-6:
+            rate /= 2
+        theta = theta - rate * step
+        loss = nll(theta)
+        if float((rate * step).abs().max()) < 1e-9:
+            break
+    scale, shift = float(theta[0]), float(theta[1])
+    if scale < 0:
+        scale, shift = 0.0, float(torch.logit(torch.tensor(hits / total, dtype=torch.float64)))
+    return {"scale": scale, "shift": shift, "slots": int(total)}
 
 
 def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], cfg: DSparkTrainConfig,
@@ -135,21 +180,47 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
         prefix = hit.long().cumprod(1)  # slots 1..j all accepted
         before = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], 1).bool() & sup  # slots < j were
         survival, counted = conf.cumprod(1), sup.long().cumprod(1).bool()  # S_j; slots whose prefix is supervised
+        z = torch.logit(conf, eps=1e-6)[before]  # [M] the head's logits where the prefix was accepted
+        z_bin = ((z + LOGIT_MAX) / LOGIT_STEP).long().clamp(0, LOGIT_BINS - 1)
         index = (survival * ECE_BINS).long().clamp(max=ECE_BINS - 1)[counted]
         extra = {
             "by_slot": torch.stack([(conf * before).sum(0), (hit & before).float().sum(0), before.float().sum(0)]),
             "bins": torch.stack([torch.bincount(index, weights=w[counted].float(), minlength=ECE_BINS)
                                  for w in (survival, prefix, torch.ones_like(survival))]),
             "chain": torch.stack([(survival * counted).sum(1)[real].sum(), real.sum().float()]),
+            "logits": torch.stack([torch.bincount(z_bin, weights=hit[before].float(), minlength=LOGIT_BINS),
+                                   torch.bincount(z_bin, minlength=LOGIT_BINS).float()]),
         }
         return SlotScores(logits.transpose(0, 1), labels.t(), in_vocab.t(), sup.t(), chain=lambda hits: hits[:, real],
                           extra=extra)
 
     # by_slot: where the slots before were accepted, per slot: confidence, accepted, slots; bins: per survival bin:
-    # predicted, observed, slots; chain: expected drafted tokens (sum of survivals), blocks
-    zeros = {"by_slot": torch.zeros(3, S), "bins": torch.zeros(3, ECE_BINS), "chain": torch.zeros(2)}
+    # predicted, observed, slots; chain: expected drafted tokens (sum of survivals), blocks; logits: per logit bin
+    # where the prefix was accepted: accepted, slots
+    zeros = {"by_slot": torch.zeros(3, S), "bins": torch.zeros(3, ECE_BINS), "chain": torch.zeros(2),
+             "logits": torch.zeros(2, LOGIT_BINS)}
     return evaluate_slots(score, source.rows, ids, 1, accelerator, pad_id, S, chained=True, extra=zeros,
-                          summarise=calibration)
+                          summarise=held_out_calibration)
+
+
+def evaluate_calibrated(model: BlockDraft, target, source: FeatureSource, ids: list[int], cfg: DSparkTrainConfig,
+                        accelerator: Accelerator, pad_id: int, scored: torch.Tensor) -> dict:
+    """evaluate's held-out metrics; with calibrate_confidence, those of the head after the Platt scaling fitted to
+    these rows is folded into it, and `confidence_calibration`: the fit and the head's figures before it."""
+    metrics = evaluate(model, target, source, ids, cfg, accelerator, pad_id, scored)
+    fit = metrics.pop("platt_fit")
+    if not cfg.calibrate_confidence:
+        return metrics
+    before = {k: metrics[k] for k in ("expected_chain_tokens", "confidence_by_slot", "survival_ece")}
+    model.draft.confidence_head.rescale(fit["scale"], fit["shift"])
+    metrics = evaluate(model, target, source, ids, cfg, accelerator, pad_id, scored)
+    del metrics["platt_fit"]
+    metrics["confidence_calibration"] = {"scale": round(fit["scale"], 6), "shift": round(fit["shift"], 6),
+                                         "slots": fit["slots"], "before": before}
+    accelerator.print(f"confidence head calibrated on the held-out rows (Platt: scale {fit['scale']:.3f}, shift "
+                      f"{fit['shift']:.3f}, {fit['slots']} slots): survival calibration error "
+                      f"{before['survival_ece']:.3f} -> {metrics['survival_ece']:.3f}")
+    return metrics
 
 
 def build_draft(run: Run, cfg: DSparkTrainConfig) -> DSparkDraft:
@@ -175,7 +246,8 @@ def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
                f"{metrics['feature_layers']} and draft a block of {cfg.block_size - 1} tokens in one forward, mask token "
                f"{metrics['mask_token_id']}), a rank-{cfg.markov_rank} Markov head (a bias from the previous token"
                f"{' and the slot' if cfg.markov_context else ''}) and a "
-               f"confidence head (the chance each slot is accepted)",
+               f"confidence head (the chance each slot is accepted"
+               f"{', Platt-scaled on the held-out rows' if 'confidence_calibration' in metrics else ''})",
         table_caption="at block slot j: the token j positions after the anchor, Markov-corrected",
         lines=[f"Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: "
                f"{metrics['chain_accepted_tokens']:.3f} (the confidence head expects "
@@ -196,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "conf": round(float(sums["predicted"] / denom), 4), "accepted": round(float(sums["accepted"] / denom), 4),
                 "acc": [round(float(a), 4) for a in acc]}
 
-    return train_block_drafter(cfg, build_draft, loss, log, evaluate, model_card, DSparkDraft,
+    return train_block_drafter(cfg, build_draft, loss, log, evaluate_calibrated, model_card, DSparkDraft,
                                {"markov_rank": cfg.markov_rank, "markov_context": cfg.markov_context})
 
 if __name__ == "__main__":
