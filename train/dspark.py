@@ -176,11 +176,12 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
         real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
         # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
         hit = (truth_rank(logits, logits.gather(-1, labels[..., None]), RANKS) == 0) & in_vocab & sup  # [K, S]
-        conf = torch.sigmoid(draft.confidence_logit(draft.norm(out), prev).float())  # [K, S]
+        conf_logits = draft.confidence_logit(draft.norm(out), prev).float()  # [K, S]
+        conf = torch.sigmoid(conf_logits)
         prefix = hit.long().cumprod(1)  # slots 1..j all accepted
         before = torch.cat([torch.ones_like(prefix[:, :1]), prefix[:, :-1]], 1).bool() & sup  # slots < j were
         survival, counted = conf.cumprod(1), sup.long().cumprod(1).bool()  # S_j; slots whose prefix is supervised
-        z = torch.logit(conf, eps=1e-6)[before]  # [M] the head's logits where the prefix was accepted
+        z = conf_logits[before]  # [M] the head's logits where the prefix was accepted
         z_bin = ((z + LOGIT_MAX) / LOGIT_STEP).long().clamp(0, LOGIT_BINS - 1)
         index = (survival * ECE_BINS).long().clamp(max=ECE_BINS - 1)[counted]
         extra = {
