@@ -16,7 +16,8 @@
 
 The layout is DFlash's fill-in one (vLLM `sample_from_anchor: false`): block [x_p, mask x (B - 1)], slot j predicts
 x_{p+j}. Tensor names are vLLM 0.32's qwen3_dspark loader's: DFlash's plus `markov_head.markov_w1.weight`,
-`markov_head.markov_w2.weight`, `confidence_head.proj.{weight,bias}`. `dspark_export` writes that layout.
+`markov_head.markov_w2.weight`, `confidence_head.proj.{weight,bias}`. `dspark_export` writes that layout, and
+`dspark_gguf` llama.cpp's (the same block, its `markov_w1`, `markov_w2`, `conf_proj` tensors).
 
     draft = DSparkDraft(dspark_config_for(model, markov_rank=16, num_layers=2, block_size=8, mask_token_id=m))
     logits = draft.corrected_logits(out, scored, prev)   # out [.., h] (draft forward), prev [..] target ids
@@ -195,16 +196,59 @@ def dspark_export(heads: DSparkDraft, request) -> tuple[dict, dict, dict]:
     return config, tensors, notes
 
 
+def dspark_gguf(heads: DSparkDraft, target):
+    """llama.cpp's DSpark draft (`--spec-type draft-dspark`; build b11434's src/models/dflash.cpp
+    build_dspark_markov_head and common/speculative.cpp) -> heads/export_gguf.py GgufDraft: DFlash's GGUF (arch
+    `dflash`, dflash_gguf) plus `markov_w1` [V, r], `markov_w2` [Vd, r] (its bias scattered to the target ids by d2t,
+    as the logits are), `conf_proj` [1, h + r] over cat(output_norm(out), markov_w1[prev]) and its bias, and the keys
+    `dflash.sample_from_anchor` false (the fill-in block: slot j is block position j, slot 1's prev the anchor) and
+    `dflash.has_confidence_head`. llama.cpp chains the bias in its graph on each slot's argmax, as headstart's greedy
+    chain does, and cuts the chain at the first slot whose confidence is below `--spec-draft-p-min` (0 by default:
+    the whole chain)."""
+    import gguf
+
+    # found by name when called, as dspark_export does: export_gguf imports the method registry
+    export_gguf = importlib.import_module("headstart.heads.export_gguf")
+    formats = importlib.import_module("headstart.heads.export_formats")
+    cfg = heads.config
+    if cfg.markov_context:
+        raise formats.ExportError("this DSpark draft's Markov head reads its slot (markov_context), which llama.cpp's "
+                                  "DSpark draft has no head for: decode it in headstart, or train one with "
+                                  "--markov_context false to export")
+    draft = export_gguf.dflash_gguf(heads, target)
+    draft.metadata = [(k, f"headstart DSpark draft for {cfg.target.get('name')}" if k == "general.name" else v, t, s)
+                      for k, v, t, s in draft.metadata]
+    T = gguf.GGUFValueType
+    draft.add("dflash.sample_from_anchor", False, T.BOOL)
+    draft.add("dflash.has_confidence_head", True, T.BOOL)
+    proj = heads.confidence_head.proj
+    weight = proj.weight.detach().cpu().float()  # [1, h + r], or [1, h] without confidence_with_markov
+    if not cfg.confidence_with_markov:  # llama.cpp always reads markov_w1[prev] too: zero columns ignore it
+        weight = torch.cat([weight, torch.zeros(1, cfg.markov_rank)], dim=1)
+    markov = heads.markov_head
+    tensors = {"markov_w1.weight": markov.markov_w1.weight, "markov_w2.weight": markov.markov_w2.weight,
+               "conf_proj.weight": weight, "conf_proj.bias": proj.bias}
+    draft.tensors.update({name: export_gguf._array(t) for name, t in tensors.items()})
+    draft.notes["markov"] = (f"markov_w1 [{cfg.vocab_size}, {cfg.markov_rank}] by the previous token's target id, "
+                             "markov_w2 over the scored vocabulary: llama.cpp adds the bias in its graph, slot by "
+                             "slot on the argmax before it (sample_from_anchor false: slot 1's previous token is the "
+                             "anchor)")
+    draft.notes["confidence"] = ("conf_proj reads cat(output_norm(out), markov_w1[prev]); llama.cpp stops a chain at "
+                                 "the first slot whose confidence is below --spec-draft-p-min (default 0: never)")
+    return draft
+
+
 # The one declaration of DSpark (heads/draft_method.py), registered in heads/methods.py: DFlash's, with its own
-# config, module, proposer, trainer and vLLM writer.
+# config, module, proposer, trainer and its vLLM and llama.cpp writers.
 DSPARK = dataclasses.replace(
     DFLASH, title="a DSpark draft", card_name="DSpark", names=("dspark",), config_class=DSparkConfig,
     module_class=DSparkDraft, proposer="headstart.inference.dspark:dspark_proposer", trainer="headstart.train.dspark",
     train_config="DSparkTrainConfig",
-    formats=("vllm",),
-    refusals={fmt: ("headstart exports DSpark drafts for vLLM only (method: dspark); {fmt} is not checked against a "
-                    "loader: use --format vllm") for fmt in ("sglang", "speculators", "llamacpp")},
-    engine_export="headstart.heads.dspark:dspark_export", gguf_export=None,
+    formats=("vllm", "llamacpp"),
+    refusals={fmt: ("headstart exports DSpark drafts for vLLM and llama.cpp only; {fmt} is not checked against a "
+                    "loader: use --format vllm or llamacpp") for fmt in ("sglang", "speculators")},
+    engine_export="headstart.heads.dspark:dspark_export",
+    gguf_export="headstart.heads.dspark:dspark_gguf", llamacpp_spec_type="draft-dspark",
     bench_info=lambda config: {"method": "dspark", "block_size": config.block_size, "markov_rank": config.markov_rank,
                                "markov_context": config.markov_context},
 )

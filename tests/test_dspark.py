@@ -1,7 +1,8 @@
 """DSpark (heads/dspark.py, train/dspark.py, inference/dspark.py) on tiny random targets: training and inference
 compute the same logits and confidences, the chain is vLLM's sequential loop, greedy output equals plain decoding
 (fixed trees, chains, adaptive with the confidence cut), sampling is lossless (chi-square), the cut's choice, the
-trainer learns and writes metrics, and the vLLM `method: dspark` export meets the loader's contract."""
+trainer learns and writes metrics, and the vLLM `method: dspark` and llama.cpp `draft-dspark` exports meet their
+loaders' contracts."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ def test_config_checks_and_registration():
     shapes = {n: tuple(t.shape) for n, t in draft.state_dict().items() if n.startswith(("markov", "confidence"))}
     assert shapes == {"markov_head.markov_w1.weight": (16, 4), "markov_head.markov_w2.weight": (8, 4),
                       "confidence_head.proj.weight": (1, 64 + 4), "confidence_head.proj.bias": (1,)}
-    assert DSPARK.max_depth(cfg) == DSPARK.engine_chain(cfg) == 7 and DSPARK.formats == ("vllm",)
-    assert "llamacpp" in DSPARK.refusal("llamacpp")
+    assert DSPARK.max_depth(cfg) == DSPARK.engine_chain(cfg) == 7 and DSPARK.formats == ("vllm", "llamacpp")
+    assert "sglang" in DSPARK.refusal("sglang") and DSPARK.llamacpp_spec_type == "draft-dspark"
 
 
 def test_previous_tokens_are_the_anchor_then_the_labels():
@@ -465,6 +466,62 @@ def test_vllm_export_meets_the_loader_contract(draft_vocab):
     with torch.no_grad():  # trained on the target's own row: no embedding shipped
         draft.mask_embedding.copy_(target[31])
     assert "embed_tokens.weight" not in dspark_export(draft, ExportRequest("vllm", model, 4))[1]
+
+
+def test_llamacpp_export_meets_the_loader_contract_and_chains_as_headstart(tmp_path):
+    """`--format llamacpp`: DFlash's GGUF plus the tensors and keys llama.cpp's DSpark draft reads (build b11434's
+    src/models/dflash.cpp); its Markov chain and confidences recomputed from the GGUF alone as that graph does (logits
+    scattered by d2t, bias w2 . w1[prev], prev = the argmax before, conf_proj over [output_norm(out); w1[prev]]) give
+    headstart's chain and confidences; a head llama.cpp lacks is refused in one line."""
+    from test_export_gguf import read_gguf, rms, target_gguf
+
+    from headstart.heads.export import ExportError, export_heads
+
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    tgt = target_gguf(tmp_path / "target.gguf", layers=4, vocab=32)
+    for with_markov in (True, False):
+        draft = make_draft(model, block_size=5, draft_vocab=16)
+        if not with_markov:  # a confidence head on the slot's output alone: zero columns for markov_w1[prev]
+            draft.config.confidence_with_markov = False
+            draft.confidence_head = type(draft.confidence_head)(64)
+        src = tmp_path / f"dspark-{with_markov}" / "heads"
+        draft.save_pretrained(src)
+        out = export_heads(src, tmp_path / f"out-{with_markov}", "llamacpp", target=model, target_gguf=tgt)
+        meta, dims, data = read_gguf(out / "draft.gguf")
+        assert meta["general.architecture"] == "dflash" and "DSpark" in meta["general.name"]
+        assert meta["dflash.sample_from_anchor"] is False and meta["dflash.has_confidence_head"] is True
+        assert meta["dflash.block_size"] == 5 and meta["dflash.target_layers"] == [1, 3]
+        assert {k: dims[k] for k in ("markov_w1.weight", "markov_w2.weight", "conf_proj.weight", "conf_proj.bias",
+                                     "output.weight", "d2t")} == {
+            "markov_w1.weight": [8, 32], "markov_w2.weight": [8, 16], "conf_proj.weight": [64 + 8, 1],
+            "conf_proj.bias": [1], "output.weight": [64, 16], "d2t": [16]}  # GGUF dims: torch's reversed
+        assert "--spec-type draft-dspark --spec-draft-n-max 4" in (out / "README.md").read_text()
+        prompt = torch.randint(0, 31, (9,), generator=torch.Generator().manual_seed(4))
+        proposer, tokens, taps = chain_proposal(model, draft, prompt, 4)
+        n = prompt.numel() - 1
+        block = torch.tensor([[int(prompt[-1])] + [31] * 4])
+        with torch.no_grad():
+            hidden = BlockDraft(draft)(taps[None], block, model.get_input_embeddings()(block),
+                                       torch.arange(n, n + 5)[None], None)[0]  # [5, h]: anchor, then the slots
+        w = {name: torch.as_tensor(a) for name, a in data.items()}
+        normed = rms(hidden, w["output_norm.weight"], meta["dflash.attention.layer_norm_rms_epsilon"])
+        base = torch.full((5, 32), float("-inf"))
+        base[:, w["d2t"].long()] = normed @ w["output.weight"].T
+        prev, chain, conf = int(prompt[-1]), [], []
+        for i in range(1, 5):  # sample_from_anchor false: block position i is slot i
+            bias = torch.zeros(32)
+            bias[w["d2t"].long()] = w["markov_w2.weight"] @ w["markov_w1.weight"][prev]
+            feat = torch.cat([normed[i], w["markov_w1.weight"][prev]])
+            conf.append(float(torch.sigmoid(w["conf_proj.weight"] @ feat + w["conf_proj.bias"])))
+            prev = int((base[i] + bias).argmax())
+            chain.append(prev)
+        assert chain == tokens[1:].tolist()
+        torch.testing.assert_close(torch.tensor(conf), torch.tensor(proposer.confidence), rtol=1e-5, atol=1e-6)
+    slot_reading = make_draft(model, block_size=5, markov_context=True)
+    slot_reading.save_pretrained(tmp_path / "ctx" / "heads")
+    with pytest.raises(ExportError) as err:
+        export_heads(tmp_path / "ctx" / "heads", tmp_path / "ctx-out", "llamacpp", target=model, target_gguf=tgt)
+    assert "markov_context" in str(err.value) and "\n" not in str(err.value) and not (tmp_path / "ctx-out").exists()
 
 
 def gpu_vllm() -> str | None:

@@ -293,3 +293,22 @@ def test_the_target_ggufs_file_type_chooses_the_step_costs(tmp_path, file_type, 
     expected = served_record(choose_draft_length({"top1": [0.95] * 3}, "eagle3", engine, src, [1, 2, 3]), "export",
                              fallback_k=3)
     assert {key: served[key] for key in expected} == expected
+
+
+def test_llamacpp_check_serves_the_draft_with_its_chain_and_p_min(tmp_path):
+    """The check's draft server gets the draft, its --spec-type and chain, and --spec-draft-p-min only when asked
+    (0: the whole chain, which is what it compares with headstart's); --p_min with --write_engines is refused, since
+    the engines record is the whole chain's."""
+    from headstart.inference import llamacpp_check
+
+    tgt = target_gguf(tmp_path / "target.gguf", file_type=0)
+    draft = (tmp_path / "draft.gguf", "draft-dspark", 7)
+    whole = llamacpp_check.LlamaServer(Path("llama-server"), tgt, tmp_path / "a.log", 1, 4096, draft)
+    cut = llamacpp_check.LlamaServer(Path("llama-server"), tgt, tmp_path / "b.log", 1, 4096, draft, p_min=0.3)
+    assert whole.cmd[whole.cmd.index("--spec-type"):] == [
+        "--spec-type", "draft-dspark", "--spec-draft-model", str(tmp_path / "draft.gguf"), "--spec-draft-threads", "1",
+        "--spec-draft-n-max", "7"]
+    assert cut.cmd[-2:] == ["--spec-draft-p-min", "0.3"] and "--no-repack" not in cut.cmd  # an f32 target
+    with pytest.raises(SystemExit) as err:
+        llamacpp_check.main(["--heads", "h", "--target_gguf", str(tgt), "--p_min", "0.3", "--write_engines"])
+    assert err.value.code == 2

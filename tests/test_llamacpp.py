@@ -10,7 +10,7 @@ build it once, never in CI):
 
 The lane runs inference/llamacpp_check.py on the embedded SmolLM2-135M target (its own Q4_1 GGUF, or the GGUF named by
 HEADSTART_LLAMACPP_TARGET_GGUF), the first 2 held-out prompts x 24 tokens, one thread per server. Seeded random
-EAGLE-3 and DFlash heads prove that each export loads, that the draft runs (llama.cpp drafted tokens) and that greedy
+EAGLE-3, DFlash and DSpark heads prove that each export loads, that the draft runs (llama.cpp drafted tokens) and that greedy
 output with the draft (and with llama.cpp's own n-gram mode, measured beside it) equals llama.cpp's without it, and that the result is written to engines.json as read_engines
 reads it. HEADSTART_LLAMACPP_HEADS="DIR DIR ..." (trained heads dirs) adds the acceptance check: llama.cpp's tokens
 per target step within 3% of headstart's tau with the same chain, every output difference a near-tie of the target.
@@ -44,8 +44,9 @@ def target_gguf() -> str:
 
 @pytest.fixture(scope="module")
 def random_heads(tmp_path_factory, embedded_target):
-    """Seeded random EAGLE-3 (norms llama.cpp runs) and DFlash heads for the embedded target."""
+    """Seeded random EAGLE-3 (norms llama.cpp runs), DFlash and DSpark heads for the embedded target."""
     from headstart.heads.dflash import DFlashDraft, dflash_config_for
+    from headstart.heads.dspark import DSparkDraft, dspark_config_for
     from headstart.heads.eagle import EagleDraft, eagle_config_for
 
     model, _, info = embedded_target
@@ -59,7 +60,11 @@ def random_heads(tmp_path_factory, embedded_target):
                                        target_info=info))
     df.set_draft_vocab(torch.arange(8192))
     df.save_pretrained(root / "dflash" / "heads")
-    return [str(root / name / "heads") for name in ("eagle3", "dflash")]
+    ds = DSparkDraft(dspark_config_for(model, markov_rank=16, num_layers=1, block_size=4, mask_token_id=2,
+                                       draft_vocab_size=8192, target_info=info))
+    ds.set_draft_vocab(torch.arange(8192))
+    ds.save_pretrained(root / "dspark" / "heads")
+    return [str(root / name / "heads") for name in ("eagle3", "dflash", "dspark")]
 
 
 def run_check(heads: list[str], out: Path, *extra: str) -> dict:
@@ -74,7 +79,7 @@ def test_exports_load_and_keep_greedy_output(random_heads, tmp_path):
 
     results = run_check(random_heads, tmp_path / "check", "--per_category", "1", "--num_prompts", "2",
                         "--max_new_tokens", "24", "--rounds", "1", "--write_engines")
-    assert [r["method"] for r in results["runs"]] == ["eagle3", "dflash"]
+    assert [r["method"] for r in results["runs"]] == ["eagle3", "dflash", "dspark"]
     for r, heads in zip(results["runs"], random_heads):
         assert r["identical"] == f"{r['prompts']}/{r['prompts']}", r["differences"]
         assert r["llamacpp_draft_tokens"] > 0, r  # the draft ran
