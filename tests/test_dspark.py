@@ -420,12 +420,44 @@ def test_train_with_markov_context_learns_the_projection(llama_dir, sd_dir, tmp_
     assert float(draft.markov_head.context_proj.weight.abs().sum()) > 0  # it left its zero start
 
 
+def test_markov_lr_scale_gives_the_markov_head_its_own_group():
+    """markov_lr_scale moves the Markov head's parameters (and only them) out of the Muon / AdamW groups into an AdamW
+    group of its own at learning_rate x the scale; 1 leaves the groups as they are."""
+    from headstart.train.dflash import scaled_lr_groups
+    from headstart.train.eagle import param_groups
+
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32, seed=3)
+    draft = make_draft(model, block_size=5, draft_vocab=16)
+    groups = param_groups(draft, "muon")
+    assert scaled_lr_groups(draft, groups, {"markov_head.": 1.0}, 1e-3) == groups
+    scaled = scaled_lr_groups(draft, groups, {"markov_head.": 10.0}, 1e-3)
+    markov = [draft.markov_head.markov_w1.weight, draft.markov_head.markov_w2.weight]
+    assert scaled[-1]["lr"] == pytest.approx(1e-2) and not scaled[-1].get("muon")
+    assert [id(p) for p in scaled[-1]["params"]] == [id(p) for p in markov]
+    rest = [id(p) for g in scaled[:-1] for p in g["params"]]
+    assert sorted(rest + [id(p) for p in markov]) == sorted(id(p) for g in groups for p in g["params"])
+    assert scaled[0]["muon"] and [id(p) for p in scaled[0]["params"]] == [id(p) for p in groups[0]["params"]]
+    with pytest.raises(ConfigError, match="no trainable parameters"):
+        scaled_lr_groups(draft, groups, {"nothing.": 2.0}, 1e-3)
+
+
+def test_train_gives_the_markov_head_its_learning_rate(llama_dir, sd_dir, tmp_path):
+    """The trainer's optimizer (its checkpoint) holds the Markov head's two tensors in a group at 10x the rate."""
+    main(train_args(llama_dir, sd_dir, tmp_path, "--max_steps", "2", "--checkpoint_every", "1", "--markov_lr_scale", "10",
+                    "--optimizer", "muon"))
+    state = torch.load(tmp_path / "checkpoints" / "step-2" / "optimizer.bin", weights_only=False)
+    groups = [(round(g["initial_lr"], 9), len(g["params"]), g["muon"]) for g in state["param_groups"]]
+    assert groups[-1] == (0.03, 2, False) and [lr for lr, _, _ in groups[:-1]] == [0.003, 0.003]  # Muon's, AdamW's
+
+
 def test_recipe_parses_and_bad_configs_fail():
     cfg = check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml"]))
     assert cfg.method == "dspark" and cfg.markov_rank == 64 and cfg.block_size == 8
-    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window, cfg.supervise_prompt)
-    assert recipe_choices == ("muon", "target_argmax", "dpace", 64, True)  # docs/measured.md
-    for bad in (["--markov_rank", "0"], ["--method", "dflash"], ["--labels", "nope"], ["--block_size", "1"]):
+    recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window, cfg.supervise_prompt,
+                      cfg.markov_lr_scale)
+    assert recipe_choices == ("muon", "target_argmax", "dpace", 64, True, 10)  # docs/measured.md
+    for bad in (["--markov_rank", "0"], ["--method", "dflash"], ["--labels", "nope"], ["--block_size", "1"],
+                ["--markov_lr_scale", "0"]):
         with pytest.raises(ConfigError):
             check_config(parse_config(DSparkTrainConfig, ["--config", "recipes/smollm2-135m/dspark.yaml", *bad]))
 

@@ -427,12 +427,27 @@ def model_card(cfg: DFlashTrainConfig, info, stats: dict, metrics: dict) -> str:
                f"{metrics['chain_accepted_tokens']:.3f}"]))
 
 
+def scaled_lr_groups(draft: nn.Module, groups: list[dict], lr_scales: dict[str, float], lr: float) -> list[dict]:
+    """Each prefix of lr_scales takes the trainable parameters whose names start with it out of `groups` into an
+    AdamW group of its own at lr x its scale (a scale of 1 leaves the groups as they are)."""
+    for prefix, scale in lr_scales.items():
+        if scale == 1.0:
+            continue
+        chosen = {id(p): p for name, p in draft.named_parameters() if name.startswith(prefix) and p.requires_grad}
+        if not chosen:
+            raise ConfigError(f"no trainable parameters named {prefix}* to scale the learning rate of")
+        groups = [dict(g, params=[p for p in g["params"] if id(p) not in chosen]) for g in groups]
+        groups.append({"params": list(chosen.values()), "lr": lr * scale})
+    return [g for g in groups if g["params"]]
+
+
 def train_block_drafter(cfg: DFlashTrainConfig, build: Callable, micro_loss: Callable, step_log: Callable,
-                        evaluate_fn: Callable, card: Callable, module_class: type, extra_metrics: dict) -> dict:
+                        evaluate_fn: Callable, card: Callable, module_class: type, extra_metrics: dict,
+                        lr_scales: dict[str, float] | None = None) -> dict:
     """The run a block drafter's trainer shares (DFlash here, DSpark in train/dspark.py): the draft from
     build(run, cfg), the features, the optimizer steps with micro_loss(draft, model, prep, scored, denom) -> (loss,
     sums) logged by step_log(sums, denom), then evaluate_fn's held-out metrics (plus extra_metrics), the heads
-    directory and the card."""
+    directory and the card. lr_scales: parameter-name prefix -> learning-rate multiplier (scaled_lr_groups)."""
     run = start_run(cfg)
     accelerator, target = run.accelerator, run.target
     draft = build(run, cfg)
@@ -452,6 +467,7 @@ def train_block_drafter(cfg: DFlashTrainConfig, build: Callable, micro_loss: Cal
         return step_log({k: accelerator.reduce(v, "sum") for k, v in sums.items()}, denom)
 
     groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in param_groups(draft, cfg.optimizer)]
+    groups = scaled_lr_groups(draft, groups, lr_scales or {}, cfg.learning_rate)
     trained = train(run, BlockDraft(draft), groups, step_fn, schedule=cfg.lr_schedule)
     if not trained.finished:
         return {"step": trained.step}

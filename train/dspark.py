@@ -69,6 +69,7 @@ class DSparkTrainConfig(DFlashTrainConfig):
     confidence_weight: float = 1.0  # weight of the confidence head's binary cross-entropy in the loss
     markov_context: bool = False  # the Markov factor also reads its slot's output (headstart's decode loop only)
     calibrate_confidence: bool = True  # fit Platt scaling of the confidence head to the held-out rows at the end
+    markov_lr_scale: float = 1.0  # the Markov head's learning rate over learning_rate (its own AdamW group)
 
 
 def check_config(cfg: DSparkTrainConfig) -> DSparkTrainConfig:
@@ -76,6 +77,7 @@ def check_config(cfg: DSparkTrainConfig) -> DSparkTrainConfig:
     dflash.check_config(dataclasses.replace(cfg, method="dflash"))  # the backbone's and the token loss's checks
     check_number(cfg, "markov_rank", 1)
     check_number(cfg, "confidence_weight", 0)
+    check_number(cfg, "markov_lr_scale", 0, above=True)
     return cfg
 
 
@@ -270,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
                 "acc": [round(float(a), 4) for a in acc]}
 
     return train_block_drafter(cfg, build_draft, loss, log, evaluate_calibrated, model_card, DSparkDraft,
-                               {"markov_rank": cfg.markov_rank, "markov_context": cfg.markov_context})
+                               {"markov_rank": cfg.markov_rank, "markov_context": cfg.markov_context},
+                               lr_scales={"markov_head.": cfg.markov_lr_scale})
 
 if __name__ == "__main__":
     run_main(main)
