@@ -215,9 +215,7 @@ def dspark_gguf(heads: DSparkDraft, target):
         raise formats.ExportError("this DSpark draft's Markov head reads its slot (markov_context), which llama.cpp's "
                                   "DSpark draft has no head for: decode it in headstart, or train one with "
                                   "--markov_context false to export")
-    draft = export_gguf.dflash_gguf(heads, target)
-    draft.metadata = [(k, f"headstart DSpark draft for {cfg.target.get('name')}" if k == "general.name" else v, t, s)
-                      for k, v, t, s in draft.metadata]
+    draft = export_gguf.dflash_gguf(heads, target)  # named after the heads' method: "headstart DSpark draft for ..."
     T = gguf.GGUFValueType
     draft.add("dflash.sample_from_anchor", False, T.BOOL)
     draft.add("dflash.has_confidence_head", True, T.BOOL)

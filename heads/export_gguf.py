@@ -294,7 +294,8 @@ def dflash_gguf(heads, target) -> GgufDraft:
     state = {n: t.detach().cpu() for n, t in heads.state_dict().items()}
     embed, lm_head = _target_weights(heads, target)
     draft = GgufDraft("dflash")
-    _base_metadata(draft, layer, cfg.num_layers, f"headstart DFlash draft for {cfg.target.get('name')}")
+    name = f"headstart {method_of(cfg).card_name} draft for {cfg.target.get('name')}"  # DFlash, or DSpark's
+    _base_metadata(draft, layer, cfg.num_layers, name)
     draft.add("dflash.block_size", int(cfg.block_size), T.UINT32)
     if cfg.sliding_window:  # llama.cpp's optional per-layer sliding window (standard: q - s < W)
         draft.add("dflash.attention.sliding_window", int(cfg.sliding_window), T.UINT32)
