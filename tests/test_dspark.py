@@ -34,7 +34,7 @@ from headstart.inference.tree import tree_from_choices
 from headstart.train.config import ConfigError, parse_config
 from headstart.train.dflash import BlockDraft
 from headstart.train.dspark import (LOGIT_BINS, LOGIT_MAX, LOGIT_STEP, DSparkTrainConfig, check_config, dspark_loss,
-                                    fit_platt, main, previous_tokens)
+                                    evaluate, fit_platt, main, previous_tokens)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -346,10 +346,57 @@ def test_train_learns_and_writes_calibration(llama_dir, sd_dir, tmp_path):
     assert len(metrics["confidence_by_slot"]) == len(metrics["accepted_by_slot"]) == 3
     assert all(0 < c < 1 for c in metrics["confidence_by_slot"]) and 0 <= metrics["survival_ece"] <= 1
     assert 0 < metrics["expected_chain_tokens"] <= 3 and metrics["method"] == "dspark"
+    assert len(metrics["without_markov"]["top1"]) == 3 and 0 <= metrics["without_markov"]["chain_accepted_tokens"] <= 3
     _, _, info = load_target(str(llama_dir))
     draft = load_heads(tmp_path / "heads", info)
     assert isinstance(draft, DSparkDraft) and draft.config.markov_rank == 8 and draft.token_map.numel() == 64
     assert "DSpark" in (tmp_path / "heads" / "README.md").read_text()
+
+
+class RowSource:
+    """A FeatureSource stand-in for evaluate: the held-out rows and random taps per row (what the draft reads does
+    not matter here)."""
+
+    def __init__(self, rows, width):
+        self.rows, self.width = rows, width
+
+    def batch(self, batch):
+        T = batch["input_ids"].shape[1]
+        gen = torch.Generator().manual_seed(int(batch["rows"][0]))
+        return torch.randn(1, T, self.width, generator=gen), torch.randn(1, T, 64, generator=gen)
+
+
+def test_held_out_metrics_say_what_the_markov_head_adds():
+    """metrics.json's `without_markov` (top1 by slot, chain) equals the held-out metrics of the same draft with its
+    Markov head zeroed: on rows where each token is the previous one + 1, a head that biases prev + 1 by 20 logits
+    gets every slot right, the draft without it almost none."""
+    from accelerate import Accelerator
+
+    model = tiny_model("llama", num_hidden_layers=4)
+    config = dspark_config_for(model, markov_rank=32, num_layers=1, block_size=4, mask_token_id=5,
+                               feature_layers=[1, 2, 3], draft_vocab_size=32)
+    draft = DSparkDraft(config)
+    draft.set_draft_vocab(torch.arange(0, 32))
+    with torch.no_grad():  # bias[prev] = 20 at draft index prev + 1
+        draft.markov_head.markov_w1.weight.zero_()
+        draft.markov_head.markov_w1.weight[:32] = torch.eye(32)
+        draft.markov_head.markov_w2.weight.copy_(20 * torch.eye(32).roll(1, dims=0))
+    rows = [{"input_ids": [1, 2] + list(range(i, i + 20)), "loss_mask": [0, 0] + [1] * 20} for i in range(3, 9)]
+    source = RowSource(rows, 3 * 64)
+    cfg = DSparkTrainConfig(block_size=4, labels="data", markov_rank=32)
+    scored = draft.draft_lm_head_weight(model.get_output_embeddings().weight)
+    model_block = BlockDraft(draft).eval()
+    ids = list(range(len(rows)))
+    with_head = evaluate(model_block, model, source, ids, cfg, Accelerator(cpu=True), 0, scored)
+    # every slot right; chains end early only where the row does
+    assert with_head["top1"] == [1.0, 1.0, 1.0] and with_head["chain_accepted_tokens"] > 2.5
+    without = with_head["without_markov"]
+    assert max(without["top1"]) < 0.5 and without["chain_accepted_tokens"] < 1.0
+    with torch.no_grad():
+        draft.markov_head.markov_w2.weight.zero_()
+    zeroed = evaluate(model_block, model, source, ids, cfg, Accelerator(cpu=True), 0, scored)
+    assert zeroed["top1"] == without["top1"] and zeroed["chain_accepted_tokens"] == without["chain_accepted_tokens"]
+    assert zeroed["without_markov"] == without  # no bias left: the two figures agree
 
 
 def platt_counts(z: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ metrics.json: DFlash's (per block slot top1, top5, rank_accuracy, eval_positions
 Markov-corrected logits, plus the confidence head's calibration on the held-out blocks:
 `confidence_by_slot` (mean c_j where slots < j were accepted) beside `accepted_by_slot` (how often slot j then was),
 `expected_chain_tokens` (mean of sum_j S_j, S_j = c_1 .. c_j) beside chain_accepted_tokens, and `survival_ece`
-(expected calibration error of S_j against "slots 1..j all accepted", 10 equal-width bins).
+(expected calibration error of S_j against "slots 1..j all accepted", 10 equal-width bins); and `without_markov`, the
+same draft's top1 by slot and chain_accepted_tokens with the Markov bias left out, so a head that learned nothing
+shows (the two chains equal).
 
 The head learns on the training rows, where the draft is right far more often than on rows it never saw, so it comes
 out overconfident. With `calibrate_confidence` (the default) the end of training fits Platt scaling to the held-out
@@ -120,10 +122,14 @@ def dspark_loss(draft: DSparkDraft, out: torch.Tensor, prep: dict, scored: torch
     return loss + cfg.confidence_weight * bce / denom.clamp(min=1e-9), sums
 
 
-def held_out_calibration(sums: dict[str, torch.Tensor]) -> dict:
-    """The confidence head's held-out figures (heads/dspark.py calibration) from evaluate's summed counts (summed
-    over rows and processes), and the Platt fit to them (`platt_fit`)."""
-    return {**calibration(sums), "platt_fit": fit_platt(sums["logits"])}
+def held_out_extras(sums: dict[str, torch.Tensor]) -> dict:
+    """From evaluate's summed counts (summed over rows and processes): the confidence head's held-out figures
+    (heads/dspark.py calibration), the Platt fit to them (`platt_fit`), and `without_markov`: top1 by slot and
+    chain_accepted_tokens of the same draft with its Markov bias left out (what the Markov head adds)."""
+    slots, chain = sums["without_markov"], sums["without_markov_chain"]
+    without = {"top1": [round(float(a), 4) for a in slots[0] / slots[1].clamp(min=1)],
+               "chain_accepted_tokens": round(float(chain[0] / chain[1].clamp(min=1)), 4)}
+    return {**calibration(sums), "platt_fit": fit_platt(sums["logits"]), "without_markov": without}
 
 
 def fit_platt(counts: torch.Tensor) -> dict:
@@ -174,10 +180,15 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
         out = slot_outputs(model, prep)[0]  # [K, S, h]
         prev = previous_tokens(prep)[0]  # [K, S]
         logits = draft.corrected_logits(out, scored, prev, slot_index(prep)[0]).float()  # [K, S, Vd]
+        plain = draft.logits(out, scored).float()  # [K, S, Vd]: the same draft without the Markov bias
         labels, in_vocab, sup = prep["draft_labels"][0], prep["in_vocab"][0], prep["supervised"][0]
         real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
-        # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
-        hit = (truth_rank(logits, logits.gather(-1, labels[..., None]), RANKS) == 0) & in_vocab & sup  # [K, S]
+
+        def hits(scores: torch.Tensor) -> torch.Tensor:  # [K, S, Vd] -> [K, S]
+            # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
+            return (truth_rank(scores, scores.gather(-1, labels[..., None]), RANKS) == 0) & in_vocab & sup
+
+        hit, plain_hit = hits(logits), hits(plain)
         conf_logits = draft.confidence_logit(draft.norm(out), prev).float()  # [K, S]
         conf = torch.sigmoid(conf_logits)
         prefix = hit.long().cumprod(1)  # slots 1..j all accepted
@@ -193,17 +204,22 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
             "chain": torch.stack([(survival * counted).sum(1)[real].sum(), real.sum().float()]),
             "logits": torch.stack([torch.bincount(z_bin, weights=hit[before].float(), minlength=LOGIT_BINS),
                                    torch.bincount(z_bin, minlength=LOGIT_BINS).float()]),
+            "without_markov": torch.stack([plain_hit.float().sum(0), sup.float().sum(0)]),
+            "without_markov_chain": torch.stack([plain_hit[real].long().cumprod(1).sum().float(),
+                                                 real.sum().float()]),
         }
         return SlotScores(logits.transpose(0, 1), labels.t(), in_vocab.t(), sup.t(), chain=lambda hits: hits[:, real],
                           extra=extra)
 
     # by_slot: where the slots before were accepted, per slot: confidence, accepted, slots; bins: per survival bin:
     # predicted, observed, slots; chain: expected drafted tokens (sum of survivals), blocks; logits: per logit bin
-    # where the prefix was accepted: accepted, slots
+    # where the prefix was accepted: accepted, slots; without_markov: per slot, hits without the Markov bias, slots
+    # scored; without_markov_chain: accepted tokens of those chains, blocks
     zeros = {"by_slot": torch.zeros(3, S), "bins": torch.zeros(3, ECE_BINS), "chain": torch.zeros(2),
-             "logits": torch.zeros(2, LOGIT_BINS)}
+             "logits": torch.zeros(2, LOGIT_BINS), "without_markov": torch.zeros(2, S),
+             "without_markov_chain": torch.zeros(2)}
     return evaluate_slots(score, source.rows, ids, 1, accelerator, pad_id, S, chained=True, extra=zeros,
-                          summarise=held_out_calibration)
+                          summarise=held_out_extras)
 
 
 def evaluate_calibrated(model: BlockDraft, target, source: FeatureSource, ids: list[int], cfg: DSparkTrainConfig,
@@ -212,6 +228,8 @@ def evaluate_calibrated(model: BlockDraft, target, source: FeatureSource, ids: l
     these rows is folded into it, and `confidence_calibration`: the fit and the head's figures before it."""
     metrics = evaluate(model, target, source, ids, cfg, accelerator, pad_id, scored)
     fit = metrics.pop("platt_fit")
+    accelerator.print(f"held-out greedy chain: {metrics['chain_accepted_tokens']:.3f} tokens accepted, "
+                      f"{metrics['without_markov']['chain_accepted_tokens']:.3f} without the Markov head")
     if not cfg.calibrate_confidence:
         return metrics
     before = {k: metrics[k] for k in ("expected_chain_tokens", "confidence_by_slot", "survival_ece")}
@@ -254,7 +272,9 @@ def model_card(cfg: DSparkTrainConfig, info, stats: dict, metrics: dict) -> str:
         table_caption="at block slot j: the token j positions after the anchor, Markov-corrected",
         lines=[f"Mean drafted tokens a greedy chain of {cfg.block_size - 1} gets accepted: "
                f"{metrics['chain_accepted_tokens']:.3f} (the confidence head expects "
-               f"{metrics['expected_chain_tokens']:.3f}; survival calibration error {metrics['survival_ece']:.3f})"]))
+               f"{metrics['expected_chain_tokens']:.3f}; survival calibration error {metrics['survival_ece']:.3f})",
+               "Without the Markov head the same chain gets "
+               f"{metrics['without_markov']['chain_accepted_tokens']:.3f}"]))
 
 
 def main(argv: list[str] | None = None) -> dict:
