@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from accelerate import Accelerator
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 from test_eagle_train import llama_dir, sd_dir  # noqa: F401 (fixtures: a 4-layer target, its rows)
 from test_infer_dflash import greedy_accepted_tokens
@@ -370,8 +371,6 @@ def test_held_out_metrics_say_what_the_markov_head_adds():
     """metrics.json's `without_markov` (top1 by slot, chain) equals the held-out metrics of the same draft with its
     Markov head zeroed: on rows where each token is the previous one + 1, a head that biases prev + 1 by 20 logits
     gets every slot right, the draft without it almost none."""
-    from accelerate import Accelerator
-
     model = tiny_model("llama", num_hidden_layers=4)
     config = dspark_config_for(model, markov_rank=32, num_layers=1, block_size=4, mask_token_id=5,
                                feature_layers=[1, 2, 3], draft_vocab_size=32)

@@ -184,11 +184,11 @@ def evaluate(model: BlockDraft, target, source: FeatureSource, ids: list[int], c
         labels, in_vocab, sup = prep["draft_labels"][0], prep["in_vocab"][0], prep["supervised"][0]
         real = sup[:, 0]  # blocks of real anchors (slot 1 is always supervised there)
 
-        def hits(scores: torch.Tensor) -> torch.Tensor:  # [K, S, Vd] -> [K, S]
+        def greedy_hits(scores: torch.Tensor) -> torch.Tensor:  # [K, S, Vd] -> [K, S]
             # the draft's argmax is the data token: rank 0, as evaluate_slots counts it
             return (truth_rank(scores, scores.gather(-1, labels[..., None]), RANKS) == 0) & in_vocab & sup
 
-        hit, plain_hit = hits(logits), hits(plain)
+        hit, plain_hit = greedy_hits(logits), greedy_hits(plain)
         conf_logits = draft.confidence_logit(draft.norm(out), prev).float()  # [K, S]
         conf = torch.sigmoid(conf_logits)
         prefix = hit.long().cumprod(1)  # slots 1..j all accepted
