@@ -120,6 +120,39 @@ def test_blocks_stop_at_the_batch_s_most_anchors_and_padding_blocks_change_nothi
         assert torch.allclose(run(padded)[:, :Q], run(blocks), atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_local_attention_equals_the_dense_mask(causal, one_thread):
+    """With a sliding window each block attends over its own gathered keys (BlockDraft block_local): the outputs and
+    every parameter's gradient equal the dense-mask forward's, on rows of different lengths whose anchors sit near
+    the row start (a window reaching before position 0) and with padding blocks; a dense mask that lets a block see
+    a key outside its window is refused."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    draft = random_draft(model, block_size=3, block_causal=causal, sliding_window=5).train()
+    cfg = DFlashTrainConfig(block_size=3, block_causal=causal, sliding_window=5, supervise_prompt=True)
+    batch = {"input_ids": torch.arange(40).view(2, 20) % 30 + 20,
+             "attention_mask": torch.tensor([[1] * 20, [1] * 9 + [0] * 11]),
+             "loss_mask": torch.tensor([[0] * 4 + [1] * 16, [0] * 4 + [1] * 5 + [0] * 11]), "rows": torch.tensor([0, 1])}
+    blocks = block_inputs(batch, cfg, mask_token_id=5, step=1, anchors=12)
+    assert blocks["positions"][1, ::3].tolist()[-1] == 0 and blocks["positions"][:, 0].min() < 4  # padding, row start
+    taps = torch.randn(2, 20, 3 * 64)
+    embeds = model.get_input_embeddings()(blocks["tokens"]).detach()
+    outputs, grads = [], []
+    for local in (False, True):
+        draft.zero_grad()
+        out = BlockDraft(draft, block_local=local)(taps, blocks["tokens"], embeds, blocks["positions"], blocks["mask"])
+        (out * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
+        outputs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+    leaky = blocks["mask"].clone()
+    leaky[0, 0, 0, 19] = True  # the first block's anchor sees a later position
+    with pytest.raises(ValueError, match="outside its window"):
+        BlockDraft(draft)(taps, blocks["tokens"], embeds, blocks["positions"], leaky)
+
+
 @pytest.mark.parametrize("model_type,causal,window", [("llama", False, 0), ("qwen2", False, 0), ("llama", True, 0),
                                                       ("llama", False, 6), ("llama", True, 6)])
 def test_training_blocks_equal_the_inference_cache(model_type, causal, window, one_thread):
