@@ -4,6 +4,7 @@ training-time-test mask against an inference-style chain, the draft vocabulary, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -23,13 +24,13 @@ from headstart.heads.eagle import EagleDraft, eagle_config_for
 from headstart.heads.load import load_heads
 from headstart.heads.target import load_target
 from conftest import tiny_chat_tokenizer, tiny_model
-from headstart.train.config import ConfigError, parse_config
+from headstart.train.config import ConfigError, check_run_config, parse_config
 from headstart.train.data import DataError, supervised_token_counts
 from headstart.train.eagle import (EagleTrainConfig, check_config, draft_loss, init_from_target, main, optimizer_for,
                          prepare_batch, step_valid)
 from headstart.train.eagle_unroll import unroll
 from headstart.train.features import FeatureSource, cache_bytes, target_features
-from headstart.train.muon import MuonAdamW, orthogonalise
+from headstart.train.muon import MuonAdamW, iteration_dtype, native_bf16_matmul, orthogonalise
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -293,6 +294,32 @@ def test_muon_orthogonalises_matrix_updates_and_keeps_adamw_for_the_rest():
     with pytest.raises(ValueError, match="2-D weight matrices only"):
         MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3))], "muon": True}], lr=0.1, betas=(0.9, 0.9),
                   weight_decay=0.0)
+
+
+def test_muon_iterates_in_bf16_where_the_device_multiplies_it_natively():
+    """precision auto takes bf16 exactly where the device has native bf16 matmuls; the bf16 iteration orthogonalises
+    as the fp32 one does (singular values in the same band, the update within a few percent of it), returned in fp32."""
+    torch.manual_seed(0)
+    u, _, v = torch.linalg.svd(torch.randn(48, 80), full_matrices=False)
+    grad = u @ torch.diag(torch.logspace(0, -2, 48)) @ v
+    fp32, bf16 = orthogonalise(grad), orthogonalise(grad, dtype=torch.bfloat16)
+    sv, sv32 = torch.linalg.svdvals(bf16), torch.linalg.svdvals(fp32)
+    assert bf16.dtype == torch.float32 and (sv - sv32).abs().max() < 0.02 and sv.min() > 0.6 and sv.max() < 1.25
+    assert 0 < (bf16 - fp32).norm() / fp32.norm() < 0.05  # bf16 rounding, not the same numbers
+    cpu = torch.device("cpu")
+    assert iteration_dtype("auto", cpu) == (torch.bfloat16 if native_bf16_matmul(cpu) else torch.float32)
+    assert iteration_dtype("float32", cpu) == torch.float32 and iteration_dtype("bfloat16", cpu) == torch.bfloat16
+    matrix = torch.nn.Parameter(torch.randn(12, 20))
+    opt = MuonAdamW([{"params": [matrix], "muon": True}], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0,
+                    precision="bfloat16")
+    start, matrix.grad = matrix.detach().clone(), grad[:12, :20].clone()
+    opt.step()
+    want = start * (1 - 0.01 * 0.1) - 0.01 * 0.2 * 20 ** 0.5 * orthogonalise(1.95 * grad[:12, :20], dtype=torch.bfloat16)
+    torch.testing.assert_close(matrix.detach(), want)
+    with pytest.raises(ValueError, match="muon precision must be auto, float32 or bfloat16"):
+        iteration_dtype("half", cpu)
+    with pytest.raises(ConfigError, match="muon_precision must be auto"):
+        check_run_config(dataclasses.replace(EagleTrainConfig(), muon_precision="fp8"), ("eagle3", "eagle"))
 
 
 def test_optimizer_default_is_muon_for_eagle3_unless_the_matrices_are_sharded(capsys):

@@ -263,7 +263,9 @@ def train(run: Run, model, param_groups: list[dict], step_fn: Callable, betas: t
         if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
             raise ConfigError("optimizer muon orthogonalises whole weight matrices, which FSDP and DeepSpeed shard: "
                               "use optimizer adamw with them, or plain data parallel (accelerate launch --multi_gpu)")
-        optimizer = MuonAdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay)
+        optimizer = MuonAdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
+                              precision=cfg.muon_precision)
+        log(f"Muon's Newton-Schulz iteration in {str(optimizer.iteration_dtype).removeprefix('torch.')}")
     else:
         optimizer = torch.optim.AdamW(param_groups, lr=cfg.learning_rate, betas=betas, weight_decay=cfg.weight_decay,
                                       fused=accelerator.device.type in ("cpu", "cuda"))
