@@ -214,19 +214,19 @@ class DFlashDraft(DraftVocabHeads):
             x = layer(x, cos, sin, kv, mask)
         return x
 
-    def decode_mask(self, context_len: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The attention mask of one block at positions context_len .. context_len + Bk - 1 after `context_len` cached
-        positions at inference: None (everything) for a bidirectional block that sees its whole context; else bool
-        [1, 1, Bk, context_len + Bk]: the context in each slot's sliding window, the block (with block_causal slots
-        0..j only)."""
+    def decode_mask(self, context_len: int, device: torch.device | str = "cpu", first: int = 0) -> torch.Tensor | None:
+        """The attention mask of one block at positions context_len .. context_len + Bk - 1 after the cached context
+        positions first .. context_len - 1 at inference: None (everything) for a bidirectional block that sees all of
+        them; else bool [1, 1, Bk, context_len - first + Bk]: the context in each slot's sliding window, the block
+        (with block_causal slots 0..j only)."""
         cfg, Bk = self.config, self.config.block_size
-        if not cfg.block_causal and (not cfg.sliding_window or context_len + Bk <= cfg.sliding_window):
+        if not cfg.block_causal and (not cfg.sliding_window or context_len + Bk <= first + cfg.sliding_window):
             return None
         block = torch.ones(Bk, Bk, dtype=torch.bool, device=device)
         if cfg.block_causal:
             block = block.tril()
         queries = torch.arange(context_len, context_len + Bk, device=device)
-        context = in_window(queries, torch.arange(context_len, device=device), cfg.sliding_window)
+        context = in_window(queries, torch.arange(first, context_len, device=device), cfg.sliding_window)
         return torch.cat([context, block], dim=1)[None, None]
 
     def logits(self, out: torch.Tensor, scored_weight: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The draft keeps, per layer, the keys and values of the fused target features of every committed target cache
 position (heads/dflash.py). Each proposal
   1. appends those of the positions new since the last call (the prompt after the prefill, the accepted path after
-     a verification), from the target's true features;
+     a verification), from the target's true features; with a sliding window W it keeps only the last W - 1 (all
+     that any slot of the next block can see);
   2. runs the block [root, mask x (block_size - 1)] at positions n .. n + block_size - 1 (n = the root's position,
      the first one without target features) over them, the block bidirectional (or causal: `block_causal`),
      nothing of it kept;
@@ -53,6 +54,7 @@ class DFlashProposer(Proposer):
     def reset(self) -> None:
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values [1, kvh, n, d]
         self.committed = 0  # target cache positions whose features are in the cache
+        self.first = 0  # the first position the cache holds (sliding window: committed - (W - 1) once that is > 0)
         self.pending: list[torch.Tensor] = []  # taps [k, n*h] of positions committed.. not yet appended
 
     @torch.no_grad()
@@ -74,7 +76,7 @@ class DFlashProposer(Proposer):
         tokens = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         tokens[0, 0] = root
         positions = torch.arange(self.committed, self.committed + cfg.block_size, device=device)[None]
-        mask = self.draft.decode_mask(self.committed, device)
+        mask = self.draft.decode_mask(self.committed, device, self.first)
         out = self.draft(self.draft.embed_block(tokens, self.embed(tokens)), positions, self.cache, mask)[0]  # [Bk, h]
         return self.project(self.draft.norm(out[1 : depth + 1]))
 
@@ -93,6 +95,10 @@ class DFlashProposer(Proposer):
             (torch.cat([old_k, new_k], dim=2), torch.cat([old_v, new_v], dim=2))
             for (old_k, old_v), (new_k, new_v) in zip(self.cache, new)]
         self.committed += k
+        window = self.draft.config.sliding_window
+        if window and self.committed - self.first > window - 1:  # positions no slot of the next block sees
+            self.first = self.committed - (window - 1)
+            self.cache = [(keys[:, :, 1 - window:], values[:, :, 1 - window:]) for keys, values in self.cache]
 
 
 def dflash_proposer(draft: torch.nn.Module, model, tree: Tree,

@@ -71,11 +71,13 @@ def greedy_accepted_tokens(model, spec, prompts: int) -> int:
     return accepted
 
 
-def test_cache_holds_the_true_features_of_the_committed_positions():
+@pytest.mark.parametrize("window", [0, 6])
+def test_cache_holds_the_true_features_of_the_committed_positions(window):
     """After a generation the draft cache equals one pass over the target's features of every committed position:
-    the prompt and each step's accepted path, nothing drafted."""
+    the prompt and each step's accepted path, nothing drafted. With a sliding window of 6 it holds the last 5 of them
+    only, and the next block's logits equal those over the whole context under the window's mask."""
     model = tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3)
-    draft = make_draft(model)
+    draft = make_draft(model, sliding_window=window)
     proposer = DFlashProposer(draft, model, tree_from_choices([[0], [1], [0, 0], [0, 0, 0]]),
                               lambda x: x @ model.lm_head.weight.t())
     prompt = torch.randint(0, 15, (7,), generator=torch.Generator().manual_seed(1))
@@ -86,9 +88,18 @@ def test_cache_holds_the_true_features_of_the_committed_positions():
     _, _, taps = target_forward(model, torch.tensor([seq[:n]]), DynamicCache(), feature_layers=[1, 3])
     with torch.no_grad():
         full = draft.context_kv(draft.fuse(taps)[None], torch.arange(n)[None])
+    first = n - 5 if window else 0
+    assert proposer.first == first
     for (k, v), (k_ref, v_ref) in zip(proposer.cache, full):
-        torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k, k_ref[:, :, first:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v_ref[:, :, first:], rtol=1e-5, atol=1e-5)
+    if window:
+        block = torch.tensor([[seq[n]] + [draft.config.mask_token_id] * 3])
+        embeds = draft.embed_block(block, model.get_input_embeddings()(block))
+        with torch.no_grad():
+            whole = draft(embeds, torch.arange(n, n + 4)[None], full, draft.decode_mask(n))
+        torch.testing.assert_close(proposer.block_logits(seq[n], 3), proposer.project(draft.norm(whole[0, 1:])),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_draft_vocabulary_scores_only_its_tokens():
