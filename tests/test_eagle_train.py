@@ -358,9 +358,11 @@ def test_resume_is_exact(llama_dir, sd_dir, tmp_path, optimizer, one_thread):
 
 
 def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
-    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights (noise on)."""
+    """2 gloo processes x batch 1 == 1 process x batch 2: same per-step losses and final weights (noise on). The two
+    sum their gradients in another order (equal to fp32 rounding): Muon iterates in fp32 here, as its bf16 iteration
+    (auto on a bf16 CPU) would round those last bits up to bf16's."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    common = ["--max_steps", "4", "--feature_noise", "0.05"]
+    common = ["--max_steps", "4", "--feature_noise", "0.05", "--muon_precision", "float32"]
 
     def start(launcher: list[str], out: Path, batch: int):
         argv = args(llama_dir, sd_dir, out, "eagle3", *common)
@@ -386,9 +388,10 @@ def test_two_processes_equal_one(llama_dir, sd_dir, tmp_path, launch):
 
 
 def test_offline_feature_cache(llama_dir, sd_dir, tmp_path, capsys, one_thread):
-    """Written once with a size estimate, reused, resumed after an interrupted write; training from it == online."""
+    """Written once with a size estimate, reused, resumed after an interrupted write; training from it == online (the
+    features equal to fp32 rounding: Muon iterates in fp32 here, see test_two_processes_equal_one)."""
     cache = tmp_path / "cache"
-    common = ["--max_steps", "4", "--feature_noise", "0.05"]
+    common = ["--max_steps", "4", "--feature_noise", "0.05", "--muon_precision", "float32"]
     with_cache = ["--feature_cache_dir", cache, "--feature_cache_shard_rows", "5"]
     main(args(llama_dir, sd_dir, tmp_path / "online", "eagle3", *common))
     main(args(llama_dir, sd_dir, tmp_path / "disk", "eagle3", *common, *with_cache))
