@@ -29,6 +29,8 @@ from typing import Optional, TypeVar
 import yaml
 from transformers import HfArgumentParser
 
+from headstart.train.muon import check_precision
+
 from headstart.heads.target import resolve_dtype
 
 T = TypeVar("T")
@@ -92,8 +94,10 @@ def check_run_config(cfg: TrainRunConfig, methods: tuple[str, ...]) -> None:
         raise ConfigError(f"method must be {' or '.join(map(repr, methods))}, got {cfg.method!r}")
     if cfg.push_format not in ("headstart", "vllm", "sglang", "speculators"):
         raise ConfigError(f"push_format must be headstart, vllm, sglang or speculators, got {cfg.push_format!r}")
-    if cfg.muon_precision not in ("auto", "float32", "bfloat16"):
-        raise ConfigError(f"muon_precision must be auto, float32 or bfloat16, got {cfg.muon_precision!r}")
+    try:
+        check_precision(cfg.muon_precision, "muon_precision")
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     if cfg.report_to not in ("none", "wandb", "tensorboard"):
         raise ConfigError(f"report_to must be none, wandb or tensorboard, got {cfg.report_to!r}")
     check_number(cfg, "per_device_batch_size", 1)

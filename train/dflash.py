@@ -225,14 +225,15 @@ class BlockDraft(nn.Module):
         if not (self.block_local and window and Q % Bk == 0):
             return self.draft(embeds, positions, context_kv, mask)
         K, h = Q // Bk, embeds.shape[-1]
-        keys = positions[:, ::Bk, None] - (window - 1) + torch.arange(window - 1, device=taps.device)  # [B, K, W-1]
-        in_row = keys >= 0
-        keys = keys.clamp(min=0)
-        local_mask = block_local_mask(mask, keys, in_row, Bk)  # [B*K, 1, Bk, W-1+Bk]
+        # each block's context positions: the W-1 before its anchor [B, K, W-1] (those before 0 masked, clamped)
+        context_pos = positions[:, ::Bk, None] - (window - 1) + torch.arange(window - 1, device=taps.device)
+        in_row = context_pos >= 0
+        context_pos = context_pos.clamp(min=0)
+        local_mask = block_local_mask(mask, context_pos, in_row, Bk)  # [B*K, 1, Bk, W-1+Bk]
         rows = torch.arange(B, device=taps.device)[:, None, None]
 
         def gather(x: torch.Tensor) -> torch.Tensor:  # [B, kvh, T, d] -> [B*K, kvh, W-1, d]: each block's context
-            picked = x.transpose(1, 2)[rows, keys]  # [B, K, W-1, kvh, d]
+            picked = x.transpose(1, 2)[rows, context_pos]  # [B, K, W-1, kvh, d]
             return picked.permute(0, 1, 3, 2, 4).reshape(B * K, x.shape[1], window - 1, x.shape[-1])
 
         local_kv = [(gather(k), gather(v)) for k, v in context_kv]
@@ -240,14 +241,14 @@ class BlockDraft(nn.Module):
         return out.view(B, Q, h)
 
 
-def block_local_mask(mask: torch.Tensor, keys: torch.Tensor, in_row: torch.Tensor, Bk: int) -> torch.Tensor:
-    """The dense mask [B, 1, Q, T + Q] cut to each block's own keys: the context positions `keys` [B, K, W-1] (valid
-    where in_row) and its own block -> [B*K, 1, Bk, W-1+Bk]. Raises if the dense mask lets a block see any other key
-    (the block-local forward would then differ from the dense one)."""
+def block_local_mask(mask: torch.Tensor, context_pos: torch.Tensor, in_row: torch.Tensor, Bk: int) -> torch.Tensor:
+    """The dense mask [B, 1, Q, T + Q] cut to each block's own keys: the context positions `context_pos` [B, K, W-1]
+    (valid where in_row) and its own block -> [B*K, 1, Bk, W-1+Bk]. Raises if the dense mask lets a block see any
+    other key (the block-local forward would then differ from the dense one)."""
     B, _, Q, TQ = mask.shape
     K, T = Q // Bk, TQ - Q
     dense = mask[:, 0].view(B, K, Bk, TQ)
-    context = dense[..., :T].gather(-1, keys[:, :, None, :].expand(B, K, Bk, keys.shape[-1]))
+    context = dense[..., :T].gather(-1, context_pos[:, :, None, :].expand(B, K, Bk, context_pos.shape[-1]))
     context = context & in_row[:, :, None, :]  # [B, K, Bk, W-1]
     own = torch.diagonal(dense[..., T:].view(B, K, Bk, K, Bk), dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, K, Bk, Bk]
     if int(context.sum()) + int(own.sum()) != int(mask.sum()):

@@ -37,12 +37,17 @@ def native_bf16_matmul(device: torch.device) -> bool:
     return False
 
 
+def check_precision(precision: str, name: str = "muon precision") -> None:
+    """Raises ValueError naming `name` unless `precision` is auto, float32 or bfloat16."""
+    if precision != "auto" and precision not in PRECISIONS:
+        raise ValueError(f"{name} must be auto, float32 or bfloat16, got {precision!r}")
+
+
 def iteration_dtype(precision: str, device: torch.device) -> torch.dtype:
     """The Newton-Schulz iteration's dtype: `precision` float32 or bfloat16, or auto (bf16 where native_bf16_matmul)."""
+    check_precision(precision)
     if precision == "auto":
         return torch.bfloat16 if native_bf16_matmul(device) else torch.float32
-    if precision not in PRECISIONS:
-        raise ValueError(f"muon precision must be auto, float32 or bfloat16, got {precision!r}")
     return PRECISIONS[precision]
 
 
