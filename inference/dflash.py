@@ -8,8 +8,9 @@ position (heads/dflash.py). Each proposal
   2. runs the block [root, mask x (block_size - 1)] at positions n .. n + block_size - 1 (n = the root's position,
      the first one without target features) over them, the block bidirectional (or causal: `block_causal`),
      nothing of it kept;
-  3. fills a static tree: the node at depth d and rank r gets slot d's rank-r token (slots are scored
-     independently, as Medusa heads are, so the same trees, tree sizing and adaptive drafting apply).
+  3. fills a tree: the node at depth d and rank r gets slot d's rank-r token (slots are scored independently, as
+     Medusa heads are, so the same trees, tree sizing and adaptive drafting apply: inference/tree.py SlotProposer,
+     whose adaptive trees take their shape from each step's probabilities).
 A chain (the tree [[0], [0, 0], ...]) is what an engine verifies.
 """
 
@@ -20,13 +21,13 @@ from typing import Callable
 import torch
 
 from headstart.inference.adapt import dflash_draft_prior
-from headstart.inference.tree import DraftInput, Proposer, Tree, static_tree_tokens, tree_from_choices
+from headstart.inference.tree import DraftInput, SlotProposer, Tree
 
 
-class DFlashProposer(Proposer):
-    """Proposer (inference/tree.py) for a DFlash draft over a static tree; one per generated sequence (stateful)."""
+class DFlashProposer(SlotProposer):
+    """Proposer (inference/tree.py) for a DFlash draft; one per generated sequence (stateful)."""
 
-    resizable = True
+    what = "the DFlash block"
 
     def __init__(self, draft: torch.nn.Module, model, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor]):
         self.draft = draft
@@ -34,22 +35,8 @@ class DFlashProposer(Proposer):
         self.project = project  # normed slot outputs [D, h] -> logits over the scored rows (draft_lm_head_weight)
         self.max_depth = draft.config.block_size - 1
         self.feature_layers = list(draft.config.feature_layers)  # the decode loop hands over these target taps
-        self._trees: dict[tuple, Tree] = {}
-        self.tree = self._check(tree)
+        self.use_tree(tree)
         self.reset()
-
-    def _check(self, tree: Tree) -> Tree:
-        if tree.max_depth > self.max_depth:
-            raise ValueError(f"the tree is {tree.max_depth} deep but the DFlash block drafts {self.max_depth} tokens; "
-                             f"use a tree of depth <= {self.max_depth}")
-        return tree
-
-    def resize(self, choices: list[list[int]]) -> None:
-        """Draft the tree of these choices from now on (adaptive drafting, inference/adapt.py)."""
-        key = tuple(tuple(c) for c in choices)
-        if key not in self._trees:
-            self._trees[key] = tree_from_choices(choices)
-        self.tree = self._check(self._trees[key])
 
     def reset(self) -> None:
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values [1, kvh, n, d]
@@ -65,9 +52,7 @@ class DFlashProposer(Proposer):
         if depth == 0:  # plain decoding: nothing to draft (the features wait for the next draft)
             return self.tree, torch.tensor([inp.root], dtype=torch.long)
         self._commit()
-        logits = self.block_logits(inp.root, depth)  # [depth, Vd]
-        topk = self.draft.to_target_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [depth, k]
-        return self.tree, static_tree_tokens(self.tree, inp.root, topk)
+        return self.fill(inp.root, lambda depth: self.block_logits(inp.root, depth), self.draft.to_target_ids)
 
     def block_logits(self, root: int, depth: int) -> torch.Tensor:
         """Logits [depth, Vd] of slots 1..depth of the block after the committed context."""

@@ -46,6 +46,8 @@ class DSparkProposer(DFlashProposer):
         return self._project(normed)
 
     def resize(self, choices: list[list[int]]) -> None:
+        """The policy's tree, filled parent by parent and cut by the confidence (not DFlash's per-step shapes: a
+        node's children here are guesses made for its own token)."""
         super().resize(choices)
         self.cut = True
 

@@ -1,7 +1,8 @@
-"""Medusa drafting at inference: the heads' per-depth top-k tokens fill a static tree.
+"""Medusa drafting at inference: the heads' per-depth top-k tokens fill the tree.
 
 Head k reads the target's final-norm hidden state at the last cache position and scores the token k + 1 steps
-after the root; the node at depth d and rank r of the tree gets head d - 1's rank-r token.
+after the root; the node at depth d and rank r of the tree gets head d - 1's rank-r token (inference/tree.py
+SlotProposer: a fixed tree, or under the adaptive policy one shaped by each step's probabilities).
 """
 
 from __future__ import annotations
@@ -11,43 +12,26 @@ from typing import Callable
 import torch
 
 from headstart.inference.adapt import medusa_draft_prior
-from headstart.inference.tree import DraftInput, Proposer, Tree, static_tree_tokens, tree_from_choices
+from headstart.inference.tree import DraftInput, SlotProposer, Tree
 
 
-class MedusaProposer(Proposer):
-    """Proposer (inference/tree.py) for Medusa heads over a static tree."""
+class MedusaProposer(SlotProposer):
+    """Proposer (inference/tree.py) for Medusa heads."""
 
-    resizable = True
+    what = "the Medusa heads"
 
     def __init__(self, heads: torch.nn.Module, tree: Tree, project: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        num_heads = heads.config.num_heads
-        if tree.max_depth > num_heads:
-            raise ValueError(f"the tree is {tree.max_depth} deep but the heads have only {num_heads} heads; "
-                             f"use a tree of depth <= {num_heads}")
         self.heads = heads
-        self.tree = tree
         self.project = project  # heads sharing the target's lm_head: see medusa_logits
-        self.topk = max(tree.ranks) + 1
-        self._trees: dict[tuple, Tree] = {}
-
-    def resize(self, choices: list[list[int]]) -> None:
-        """Draft the tree of these choices from now on (adaptive drafting, inference/adapt.py)."""
-        key = tuple(tuple(c) for c in choices)
-        tree = self._trees.get(key)
-        if tree is None:
-            tree = self._trees[key] = tree_from_choices(choices)
-        if tree.max_depth > self.heads.config.num_heads:
-            raise ValueError(f"a tree {tree.max_depth} deep needs more than the heads' {self.heads.config.num_heads}")
-        self.tree = tree
-        self.topk = max(tree.ranks) + 1
+        self.max_depth = heads.config.num_heads
+        self.use_tree(tree)
 
     @torch.no_grad()
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
         if self.tree.max_depth == 0:  # a root-only tree: plain decoding (what `auto` picks when drafting never pays)
             return self.tree, torch.tensor([draft.root], dtype=torch.long)
-        logits = medusa_logits(self.heads, draft.hidden, self.tree.max_depth, self.project)  # [depth, Vd]
-        topk_tokens = self.heads.to_target_ids(logits.topk(self.topk, dim=-1).indices)  # [depth, k] target ids
-        return self.tree, static_tree_tokens(self.tree, draft.root, topk_tokens)
+        return self.fill(draft.root, lambda depth: medusa_logits(self.heads, draft.hidden, depth, self.project),
+                         self.heads.to_target_ids)
 
 
 def medusa_logits(heads: torch.nn.Module, hidden: torch.Tensor, depth: int,

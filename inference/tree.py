@@ -345,3 +345,70 @@ class Proposer:
     def __call__(self, draft: DraftInput) -> tuple[Tree, torch.Tensor]:
         """-> (tree, tokens [N]) with tokens[0] == draft.root."""
         raise NotImplementedError
+
+
+def spine_choices(probs: torch.Tensor, nodes: int) -> list[list[int]]:
+    """probs [D, R] (depth d's probabilities of its top-R tokens, best first) -> the `nodes` rank paths worth most:
+    the spine node at depth d ([0] * d) is worth S_d = p_1[0] ... p_d[0], the rank-r guess hung off the spine at depth
+    d ([0] * (d - 1) + [r]) S_{d-1} p_d[r]. No node is worth more than its parent, so the most valuable ones form a
+    tree. Each depth guesses without the tokens before it, so nothing hangs below a runner-up: its children would be
+    guesses made for the spine's token."""
+    D, R = probs.shape
+    values = probs.double().tolist()
+    candidates = []  # (-value, depth, rank)
+    survival = 1.0
+    for d in range(D):
+        candidates += [(-survival * values[d][r], d + 1, r) for r in range(R)]
+        survival *= values[d][0]
+    chosen = sorted(candidates)[:nodes]
+    return sorted(([0] * (d - 1) + [r] for _, d, r in chosen), key=lambda path: (len(path), path))
+
+
+class SlotProposer(Proposer):
+    """A proposer whose draft scores each depth on its own, without the tokens drafted before it (Medusa's heads, a
+    block drafter's slots). A fixed tree (`--tree`, an engine's chain) is filled as it is: the node at depth d and
+    rank r gets depth d's rank-r token. Once the adaptive policy resizes it (inference/adapt.py), the policy sets the
+    node count and each step's own probabilities choose the nodes (spine_choices): the top-1 spine as deep as the
+    depths stay confident, runner-up guesses where a depth hesitates. Shape and tokens are a function of the context
+    alone, so verification (inference/verify.py) stays lossless."""
+
+    resizable = True
+    max_depth: int = 0  # the depths the draft scores
+    what: str = "the draft"  # what scores them, for the error a too-deep tree gets
+
+    def use_tree(self, tree: Tree) -> None:
+        """The fixed tree to draft (before any resize)."""
+        self._trees: dict[tuple, Tree] = {}
+        self.per_step = False  # each step's probabilities shape the tree: on once the adaptive policy resizes it
+        self.tree = self._checked(tree)
+
+    def _checked(self, tree: Tree) -> Tree:
+        if tree.max_depth > self.max_depth:
+            raise ValueError(f"the tree is {tree.max_depth} deep but {self.what} drafts {self.max_depth} tokens; "
+                             f"use a tree of depth <= {self.max_depth}")
+        return tree
+
+    def tree_of(self, choices: list[list[int]]) -> Tree:
+        key = tuple(tuple(c) for c in choices)
+        if key not in self._trees:
+            self._trees[key] = self._checked(tree_from_choices(choices))
+        return self._trees[key]
+
+    def resize(self, choices: list[list[int]]) -> None:
+        """Draft trees of as many nodes as these choices from now on, shaped by each step's probabilities."""
+        self.tree = self.tree_of(choices)
+        self.per_step = True
+
+    def fill(self, root: int, slot_logits: Callable[[int], torch.Tensor],
+             to_target_ids: Callable[[torch.Tensor], torch.Tensor]) -> tuple[Tree, torch.Tensor]:
+        """The step's tree and tokens [N] from slot_logits(depth) -> logits [depth, Vd] of depths 1..depth (and
+        to_target_ids: draft-vocabulary indices -> target ids). The tree is not a plain step's (max_depth > 0)."""
+        if not self.per_step:
+            logits = slot_logits(self.tree.max_depth)  # [depth, Vd]
+            topk = to_target_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [depth, k]
+            return self.tree, static_tree_tokens(self.tree, root, topk)
+        nodes = self.tree.size - 1
+        logits = slot_logits(self.max_depth)  # [D, Vd]
+        top = torch.softmax(logits.float(), -1).topk(min(nodes, logits.shape[-1]), dim=-1)  # [D, R]
+        tree = self.tree_of(spine_choices(top.values, nodes))
+        return tree, static_tree_tokens(tree, root, to_target_ids(top.indices))

@@ -125,8 +125,38 @@ def test_draft_vocabulary_scores_only_its_tokens():
     assert out.tokens == ref and drafted and all(t % 2 == 0 for t in drafted)
 
 
-def test_sampling_matches_the_target_distribution():
-    """Temperature 1 on a vocab-8 target: the first three tokens follow the target's exact joint distribution."""
+def test_per_step_trees_are_shaped_by_the_draft_and_decode_greedy_exactly():
+    """Resized by the adaptive policy the proposer drafts a tree of the asked size whose shape follows each step's
+    probabilities (more than one shape over a generation; the logits sharpened so that some slots are confident),
+    and the output stays model.generate's."""
+    model = no_eos(tiny_model("llama", num_hidden_layers=4, vocab_size=16, seed=3))
+    proposer = DFlashProposer(make_draft(model), model, tree_from_choices([[0]]),
+                              lambda x: 8 * (x @ model.lm_head.weight.t()))
+    proposer.resize([[0], [1], [0, 0], [0, 0, 0], [2]])
+    shapes = set()
+
+    class Recording(Proposer):
+        feature_layers = proposer.feature_layers
+
+        def reset(self):
+            proposer.reset()
+
+        def __call__(self, inp):
+            tree, tokens = proposer(inp)
+            assert tree.size == 6 and len(tokens) == 6
+            shapes.add(tuple(tree.parents))
+            return tree, tokens
+
+    prompt = torch.randint(0, 15, (1, 6), generator=torch.Generator().manual_seed(4))
+    out = speculative_generate(model, Recording(), prompt, 40, stop_token_ids=[])
+    assert out.tokens == model.generate(prompt, max_new_tokens=40, do_sample=False)[0, 6:].tolist()
+    assert len(shapes) > 1 and sum(a * c for a, c in enumerate(out.stats.accept_hist)) > 0
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_sampling_matches_the_target_distribution(per_step):
+    """Temperature 1 on a vocab-8 target: the first three tokens follow the target's exact joint distribution, with
+    the fixed tree and with per-step shapes of its size."""
     model = tiny_model("llama", num_hidden_layers=4, vocab_size=8, seed=3, hidden_size=32, intermediate_size=64)
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
@@ -137,7 +167,10 @@ def test_sampling_matches_the_target_distribution():
     counts = torch.zeros(8, 8, 8)
     accepted = 0
     for s in range(n):
-        out = speculative_generate(model, spec.make_proposer(), prompt, 3, SamplingConfig(temperature=1.0), [],
+        proposer = spec.make_proposer()
+        if per_step:
+            proposer.resize([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+        out = speculative_generate(model, proposer, prompt, 3, SamplingConfig(temperature=1.0), [],
                                    torch.Generator().manual_seed(s))
         counts[tuple(out.tokens)] += 1
         accepted += sum(a * c for a, c in enumerate(out.stats.accept_hist))

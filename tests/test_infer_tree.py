@@ -1,4 +1,5 @@
-"""Tree construction: static trees from choices, masks/positions/paths, the greedy best tree, dynamic trees."""
+"""Tree construction: static trees from choices, masks/positions/paths, the greedy best tree, dynamic trees, the
+per-step trees of drafts that score each depth on its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from headstart.inference.tree import (DEFAULT_ACCURACY, DynamicTreeConfig, default_choices, best_choices, build_dynamic_tree,
-                            expected_accept_length, path_value, static_tree_tokens, tree_choices, tree_from_choices)
+                            expected_accept_length, path_value, spine_choices, static_tree_tokens, tree_choices,
+                            tree_from_choices)
 
 CHOICES = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -129,3 +131,21 @@ def test_dynamic_tree_keeps_the_best_connected_nodes():
         kids = tree.children[tree.parents[i]]
         assert [score(k) for k in kids] == sorted((score(k) for k in kids), reverse=True)
     assert all(0 <= p < i for i, p in enumerate(tree.parents) if i)  # breadth-first: parents first
+
+
+def test_spine_choices_take_the_most_probable_paths_and_nothing_below_a_runner_up():
+    """Spine depth d is worth p_1[0] .. p_d[0]; the rank-r guess at depth d the spine to d - 1 times p_d[r]."""
+    probs = torch.tensor([[0.9, 0.05, 0.03],  # spine 1: .9; [1] .05, [2] .03
+                          [0.5, 0.4, 0.05],  # spine 2: .45; [0, 1] .36, [0, 2] .045
+                          [0.7, 0.2, 0.05]])  # spine 3: .315; [0, 0, 1] .09
+    assert spine_choices(probs, 1) == [[0]]
+    assert spine_choices(probs, 4) == [[0], [0, 0], [0, 1], [0, 0, 0]]
+    assert spine_choices(probs, 6) == [[0], [1], [0, 0], [0, 1], [0, 0, 0], [0, 0, 1]]  # [0, 0, 1] .09 before [1]
+    hesitant_first = torch.tensor([[0.3, 0.29, 0.2], [0.5, 0.1, 0.05], [0.99, 0.005, 0.001]])
+    assert spine_choices(hesitant_first, 3) == [[0], [1], [2]]  # breadth where the first slot hesitates
+    for nodes in range(1, 10):  # always a tree: every node's parent chosen, ranks contiguous under a parent
+        chosen = spine_choices(probs, nodes)
+        assert len(chosen) == min(nodes, 9)
+        tree_from_choices(chosen)
+        assert all(path[:-1] in chosen or len(path) == 1 for path in chosen)
+        assert all(path[-1] == 0 or path[:-1] + [path[-1] - 1] in chosen for path in chosen)
