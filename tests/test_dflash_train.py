@@ -349,7 +349,7 @@ def test_recipe_parses_and_bad_configs_fail():
     cfg = check_config(parse_config(DFlashTrainConfig, ["--config", str(REPO / "recipes" / "smollm2-135m" / "dflash.yaml")]))
     assert cfg.method == "dflash" and cfg.block_size >= 2
     recipe_choices = (cfg.optimizer, cfg.labels, cfg.slot_weights, cfg.sliding_window, cfg.supervise_prompt)
-    assert recipe_choices == ("muon", "target_argmax", "dpace", 64, True)  # docs/measured.md
+    assert recipe_choices == ("muon", "target_probs", "dpace", 64, True)  # docs/measured.md
     with pytest.raises(ConfigError, match="block_size"):
         check_config(DFlashTrainConfig(block_size=1))
     with pytest.raises(ConfigError, match="method"):
