@@ -408,7 +408,7 @@ class SlotProposer(Proposer):
             topk = to_target_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [depth, k]
             return self.tree, static_tree_tokens(self.tree, root, topk)
         nodes = self.tree.size - 1
-        logits = slot_logits(self.max_depth)  # [D, Vd]
+        logits = slot_logits(min(self.max_depth, nodes))  # [D, Vd]: n nodes reach at most n deep
         top = torch.softmax(logits.float(), -1).topk(min(nodes, logits.shape[-1]), dim=-1)  # [D, R]
         tree = self.tree_of(spine_choices(top.values, nodes))
         return tree, static_tree_tokens(tree, root, to_target_ids(top.indices))
