@@ -48,7 +48,7 @@ class DSparkProposer(DFlashProposer):
     def resize(self, choices: list[list[int]]) -> None:
         """The policy's tree, filled parent by parent and cut by the confidence (not DFlash's per-step shapes: a
         node's children here are guesses made for its own token)."""
-        super().resize(choices)
+        self.tree = self.tree_of(choices)
         self.cut = True
 
     @torch.no_grad()
@@ -60,13 +60,13 @@ class DSparkProposer(DFlashProposer):
             return tree, torch.tensor([inp.root], dtype=torch.long)
         self._commit()
         base = self.block_logits(inp.root, tree.max_depth)  # [depth, Vd]
-        tokens = self.fill(tree, inp.root, base)
+        tokens = self.markov_fill(tree, inp.root, base)
         self.confidence = self.chain_confidence(tree, tokens)
         if self.cut:
             tree, tokens = self.cut_tree(tree, tokens, self.cut_depth(tree, self.confidence))
         return tree, torch.tensor(tokens, dtype=torch.long)
 
-    def fill(self, tree: Tree, root: int, base: torch.Tensor) -> list[int]:
+    def markov_fill(self, tree: Tree, root: int, base: torch.Tensor) -> list[int]:
         """Tokens [N] of the tree: each parent's children are its Markov-corrected slot's ranks."""
         tokens = [root] + [0] * (tree.size - 1)
         device = base.device

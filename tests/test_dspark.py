@@ -209,7 +209,7 @@ def test_markov_head_changes_the_tree_by_parent():
     proposer = DSparkProposer(draft, model, tree_from_choices(TREE), project_of(model, draft))
     base = torch.randn(3, 32)
     tree = proposer.tree
-    tokens = proposer.fill(tree, 7, base)
+    tokens = proposer.markov_fill(tree, 7, base)
     for node in range(1, tree.size):
         parent = tree.parents[node]
         with torch.no_grad():
