@@ -5,7 +5,8 @@
 tau counts target forwards, not seconds, so it can be measured on a busy machine: the figure that judges a training
 change (the benchmark, inference/bench/run.py, adds the wall clock). Each heads directory decodes the same prompts
 greedily with one fixed tree every step (not adaptive: the figure is the draft's; its tree.json when it has one,
-else the default; or --tree), with lookup drafting off and on; the table gives tau per family (a prompt row's
+else the default; or --tree), the draft in float32 (not the decode loop's int8 copies, inference/int8_draft.py: an
+engine runs the draft it is given), with lookup drafting off and on; the table gives tau per family (a prompt row's
 `category`) and over all prompts, and --output writes it as JSON.
 
 With --chain each heads directory decodes a greedy chain as deep as its export serves (Medusa: its heads; DFlash:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=len(args.heads) * 2 * len(rows), desc="acceptance", unit="prompt", file=sys.stderr)
     for heads in args.heads:
         try:
-            spec = Speculator.from_pretrained(heads, tree=args.tree)
+            spec = Speculator.from_pretrained(heads, tree=args.tree, draft_int8=False)  # the heads' own precision
         except SpeculatorError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -163,7 +164,8 @@ def chain_main(args: argparse.Namespace, rows: list) -> int:
     bar = tqdm(total=len(args.heads) * len(rows), desc="chain acceptance", unit="prompt", file=sys.stderr)
     for heads in args.heads:
         try:
-            spec = Speculator.from_pretrained(heads, tree="default")  # its tree is set to the chain: none measured
+            # its tree is set to the chain: none measured; the draft in float32, as an engine reading the export runs it
+            spec = Speculator.from_pretrained(heads, tree="default", draft_int8=False)
             record = write_chain_acceptance(spec, rows, args.max_new_tokens, args.prompts, args.per_category, bar)
         except (SpeculatorError, OutputDirError) as err:
             print(f"error: {err}", file=sys.stderr)

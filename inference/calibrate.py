@@ -80,6 +80,7 @@ class TreeCalibration:
     other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
     idle_cores: float = 0.0  # cores the timing left to other processes (usable cores less torch's threads)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
+    draft_weights: str = "float32"  # the draft's linear weights during the timings: "float32" or "int8" (inference/int8_draft.py)
 
     def fallback_reason(self) -> str:
         """Why the timings were not trusted, for a note to the user."""
@@ -138,7 +139,7 @@ def check_tree_record(record: dict, path: Path) -> dict:
             checked(value, float, path, f"{name}[{size}]", low, None, fix)
     if record.get("accuracy") is not None:
         checked_rates(record["accuracy"], path, "accuracy", fix)
-    for name, kind in (("noisy", bool), ("rounds", int), ("threads", int), ("device", str), ("linear", str)):
+    for name, kind in (("noisy", bool), ("rounds", int), ("threads", int), ("device", str), ("linear", str), ("draft_weights", str)):
         if record.get(name) is not None:
             checked(record[name], kind, path, name, fix=fix)
     return record
@@ -252,7 +253,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
                    fallback_nodes: int = FALLBACK_NODES,
                    busy_probe: Callable[[], tuple[float | None, float]] | None = None,
                    idle_cores: float | None = None,
-                   previous: Sequence[Sequence[int]] | None = None) -> TreeCalibration:
+                   previous: Sequence[Sequence[int]] | None = None, draft_weights: str = "float32") -> TreeCalibration:
     """Pick the tree size by expected tokens/s = expected accepted length / (verify + draft time). The optimum is
     often flat over several sizes (on a CPU, 3 to 12 nodes within a few percent), so sizes within NEAR_BEST of the
     maximum count as tied; but on a shared host one size's estimate moves by about as much between calibrations, so
@@ -269,7 +270,8 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
     `prefix_len` tokens (the best tree of n nodes for `accuracy`, so the mask is the real one); accuracy[d][r] is
     the per-(depth, rank) acceptance rate, DEFAULT_ACCURACY (a documented prior, see inference/tree.py) when None.
     `repeats` rounds, round-robin; `timer(kind, size, run) -> ms` (default: wall clock) can be scripted in tests, as can
-    `busy_probe` (default: /proc/stat) and `idle_cores` (default: idle_cores_now()).
+    `busy_probe` (default: /proc/stat) and `idle_cores` (default: idle_cores_now()). `draft_weights`: the draft's
+    linear weights as the heads are now ("float32" or "int8"), recorded (a record of the other is stale).
     Sizes are compared by their per-round ratio to the 1-token step (size 1 is always timed); see the module
     docstring for the noise check and the fallback. About (sizes x repeats) target forwards.
     """
@@ -354,7 +356,7 @@ def calibrate_tree(model: PreTrainedModel, heads: torch.nn.Module, accuracy: Seq
         linear=linear_kernel(model), threads=torch.get_num_threads(), rounds=len(one), noisy=noisy, noise_limit=noise_limit,
         chosen_by=("fallback: machine busy" if busy else "fallback: too noisy" if noisy
                    else f"measurement, the {kept} tree kept" if kept else "measurement"),
-        other_cores=other_cores, idle_cores=idle_cores, choices_by_size=per_size_choices)
+        other_cores=other_cores, idle_cores=idle_cores, choices_by_size=per_size_choices, draft_weights=draft_weights)
 
 
 def read_accuracy(heads_dir: Path) -> list[list[float]] | None:
@@ -397,7 +399,8 @@ def draft_timer(model: PreTrainedModel, prefix_len: int,
     return draft_for
 
 
-def stale_reason(record: dict, device: str, threads: int, linear: str = "default") -> str | None:
+def stale_reason(record: dict, device: str, threads: int, linear: str = "default",
+                 draft_weights: str = "float32") -> str | None:
     """Why a tree.json calibration record must be measured again on this device, or None if it can be reused."""
     if "rounds" not in record or "noisy" not in record:
         return "it was written by an older calibration (one statistic, no noise check)"
@@ -411,4 +414,6 @@ def stale_reason(record: dict, device: str, threads: int, linear: str = "default
         return f"it was measured with the {record.get('linear', 'default')} linear kernels, not {linear}"
     if device == "cpu" and record.get("threads") != threads:
         return f"it was measured with {record.get('threads')} torch threads, not {threads}"
+    if record.get("draft_weights", "float32") != draft_weights:
+        return f"it timed the draft in {record.get('draft_weights', 'float32')}, not {draft_weights}"
     return None

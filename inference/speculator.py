@@ -28,6 +28,7 @@ from headstart.inference.adapt import AdaptConfig, AdaptivePolicy, StepCost
 from headstart.inference.cpu_linear import kernels_of, linear_kernel, projection, use_cpu_linears
 from headstart.inference.decode import GenerateOutput, SamplingConfig, SpeculatorError, speculative_generate
 from headstart.inference.eagle import dynamic_config_from_choices
+from headstart.inference.int8_draft import Int8Linear, Int8Swap, int8_applies
 from headstart.inference.lookup import LookupConfig
 from headstart.inference.ngram import NGRAM_FILE, NgramTable
 from headstart.inference.tree import DynamicTreeConfig, Proposer, Tree, check_choices, default_choices, tree_from_choices
@@ -46,11 +47,15 @@ class Speculator:
     the heads' nn.Linear layers are switched in place to CpuLinears, which take per call the kernel (oneDNN or
     PyTorch's default) measured fastest here for that many rows (inference/cpu_linear.py: the same weights; plain
     decoding on the same model then runs on the same kernels); `cpu_linears=False` leaves them as they are.
+    With `draft_int8` (the default) the draft's float32 linear layers on a CPU, and the lm_head rows it scores, run
+    from int8 copies (inference/int8_draft.py: the draft only, so outputs stay lossless); `use_draft_int8(False)`
+    puts the float32 layers back (inference/acceptance.py does: an engine drafts in its own precision).
     """
 
     def __init__(self, model: PreTrainedModel, heads: torch.nn.Module, tokenizer=None,
                  tree: str | Sequence[Sequence[int]] | DynamicTreeConfig | None = None, heads_dir: Path | None = None,
-                 lookup: bool = True, exact: bool = False, cpu_linears: bool = True, adaptive: bool = True):
+                 lookup: bool = True, exact: bool = False, cpu_linears: bool = True, adaptive: bool = True,
+                 draft_int8: bool = True):
         kernels = None
         if cpu_linears:  # float32 on a CPU: the target's and the heads' linear layers on the kernels measured fastest here
             kernels = use_cpu_linears(model) or kernels_of(model)
@@ -85,9 +90,28 @@ class Speculator:
         # heads scoring the target's draft-vocabulary lm_head rows (Medusa sharing it, DFlash): sliced and packed once
         self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), kernels)
                               if self.method.scores_target_rows(heads.config) else None)
+        self.float_project = self.draft_project
+        self.int8_project = (Int8Linear(self.draft_project) if self.draft_project is not None
+                             and int8_applies(self.draft_project) else self.draft_project)
+        self.int8_swap = Int8Swap(heads)  # the heads' int8 copies (none where their layers are not float32 on a CPU)
+        self.draft_int8 = False
+        self.use_draft_int8(draft_int8)
         self.tree: Tree | None = None  # a static tree's method: the tree
         self.dynamic: DynamicTreeConfig | None = None  # a dynamic tree's method: its size
         self.set_tree(tree)  # see from_pretrained for the values
+
+    def use_draft_int8(self, int8: bool) -> None:
+        """Draft from the int8 copies of the heads' linear layers and scored lm_head rows (False: the float32
+        originals), from now on; where none applies (not float32 on a CPU) the draft stays as it is."""
+        int8 = int8 and (bool(self.int8_swap.slots) or self.int8_project is not self.float_project)
+        self.int8_swap.use(int8)
+        self.draft_project = self.int8_project if int8 else self.float_project
+        self.draft_int8 = int8
+
+    @property
+    def draft_weights(self) -> str:
+        """The draft's linear weights now: "int8" or "float32" (a calibration records it)."""
+        return "int8" if self.draft_int8 else "float32"
 
     @property
     def tree_size(self) -> int:
@@ -107,7 +131,7 @@ class Speculator:
     @classmethod
     def from_pretrained(cls, heads: str | Path, target=None, tokenizer=None,
                         tree: str | Sequence[Sequence[int]] | None = None, dtype: str | torch.dtype = "float32",
-                        device: str | torch.device = "cpu") -> "Speculator":
+                        device: str | torch.device = "cpu", draft_int8: bool = True) -> "Speculator":
         """Load heads (local dir or Hub id) and their target, through headstart.heads.load.load_heads_and_target.
 
         target: None (the target named in the heads' config), a name/path for headstart.heads.target.load_target, a loaded
@@ -116,12 +140,13 @@ class Speculator:
         tree: None (the heads dir's tree.json if any, else the default; a tree.json that headstart.inference.calibrate's
         stale_reason rejects is measured again), "default", "auto" (calibrate on this device and write tree.json),
         a path to a JSON file with "choices", a list of choices, or that list as a JSON string ('[[0], [0, 0]]').
+        draft_int8: the draft from int8 copies of its linear layers where they are float32 on a CPU (see the class).
         """
         try:  # the heads, their target, and what the heads dir records (tree.json, metrics.json, ngram.safetensors)
             heads_dir = resolve_heads_dir(heads)
             module, model, tok, _ = load_heads_and_target(heads_dir, target, dtype=dtype, device=device)
             module = module.to(next(model.parameters()).device)
-            return cls(model, module, tokenizer or tok, tree=tree, heads_dir=heads_dir)
+            return cls(model, module, tokenizer or tok, tree=tree, heads_dir=heads_dir, draft_int8=draft_int8)
         except HeadsLoadError as err:
             raise SpeculatorError(str(err)) from err
 
@@ -193,7 +218,8 @@ class Speculator:
         if self.dynamic_tree and accuracy is not None:
             accuracy = accuracy[: self.max_depth]
         calib = calibrate_tree(self.model, self.heads, accuracy, sizes, prefix_len, repeats, self.draft_project,
-                               draft_for, timer, previous=self._previous_choices())
+                               draft_for, timer, previous=self._previous_choices(),
+                               draft_weights=self.draft_weights)
         if calib.noisy:
             print(f"note: {calib.fallback_reason()}; using the fallback tree of {len(calib.choices) + 1} nodes",
                   file=sys.stderr)
@@ -214,7 +240,7 @@ class Speculator:
     def _stale_reason(self, record: dict) -> str | None:
         """Why a tree.json calibration record does not hold for this device, thread count and kernels (None: it does)."""
         return stale_reason(record, str(next(self.model.parameters()).device), torch.get_num_threads(),
-                            linear_kernel(self.model))
+                            linear_kernel(self.model), self.draft_weights)
 
     def _use_step_cost(self, step_ms: dict[int, float] | None, draft_ratio: dict[int, float] | None) -> None:
         """The adaptive policy's step-cost curve from a calibration."""

@@ -86,7 +86,7 @@ def headstart_chain(heads_dir: str, prompts: list[list[int]], k: int, max_new_to
 
     chain = [[0] * d for d in range(1, k + 1)]
     heads, model, tokenizer, _ = load_heads_and_target(heads_dir, target)
-    spec = Speculator(model, heads, tokenizer, tree=chain, heads_dir=Path(heads_dir), adaptive=False)
+    spec = Speculator(model, heads, tokenizer, tree=chain, heads_dir=Path(heads_dir), adaptive=False, draft_int8=False)
     tokens, forwards, outputs = 0, 0, []
     for ids in prompts:
         out = spec.generate(ids, max_new_tokens, lookup=False)

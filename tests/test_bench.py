@@ -179,6 +179,18 @@ def test_adaptive_both_adds_fixed_rows_and_each_method_is_compared_with_the_best
     assert "over the best of the other methods'" in md and "| heads +lookup | " in md.split("share of decode")[1]
 
 
+def test_draft_int8_both_adds_float32_draft_rows(setup, tmp_path):
+    root, prompts, heads_a, _ = setup
+    rc = main(["--heads", str(heads_a), "--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "12",
+               "--output", str(tmp_path / "o"), "--tree", "default", "--lookup", "on", "--draft_int8", "both"])
+    assert rc == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert list(res["methods"]) == ["vanilla", "prompt_lookup", "heads +lookup", "heads +lookup float32 draft"]
+    int8, float32 = res["methods"]["heads +lookup"], res["methods"]["heads +lookup float32 draft"]
+    assert int8["draft"] == "int8" and float32["draft"] == "float32" and res["settings"]["draft_int8"] == "both"
+    assert int8["all_identical"] and float32["all_identical"]  # lossless in both precisions
+
+
 def test_no_prompt_lookup_and_one_heads_dir_via_training_output_dir(setup, tmp_path, capsys):
     root, prompts, heads_a, _ = setup
     # the training output_dir (holding heads/) is accepted too; a prompt source without categories

@@ -152,7 +152,8 @@ def test_relative_mad():
     assert relative_mad([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1 / 3)
 
 
-GOOD = {"choices": [[0]], "rounds": 5, "noisy": False, "device": "cpu", "linear": "onednn", "threads": 1}
+GOOD = {"choices": [[0]], "rounds": 5, "noisy": False, "device": "cpu", "linear": "onednn", "threads": 1,
+        "draft_weights": "int8"}
 
 
 @pytest.mark.parametrize("record,why", [
@@ -162,10 +163,11 @@ GOOD = {"choices": [[0]], "rounds": 5, "noisy": False, "device": "cpu", "linear"
     (dict(GOOD, device="cuda:0"), "measured on cuda:0"),
     (dict(GOOD, threads=2), "2 torch threads"),
     (dict(GOOD, linear="default"), "default linear kernels, not onednn"),  # timed before the oneDNN switch
+    ({k: v for k, v in GOOD.items() if k != "draft_weights"}, "draft in float32, not int8"),  # before int8 drafts
 ])
 def test_an_untrustworthy_tree_json_is_measured_again(model_and_heads, tmp_path, monkeypatch, record, why, capsys):
     model, heads = model_and_heads
-    assert why in stale_reason(record, "cpu", 1, "onednn")
+    assert why in stale_reason(record, "cpu", 1, "onednn", "int8")
     (tmp_path / "tree.json").write_text(json.dumps(record))
     timer = ScriptedTimer()
     monkeypatch.setattr(calibrate_module, "time_ms", timer)  # the default timer, as set_tree(None) calibrates
@@ -175,12 +177,12 @@ def test_an_untrustworthy_tree_json_is_measured_again(model_and_heads, tmp_path,
     rewritten = json.loads((tmp_path / "tree.json").read_text())
     quiet = calibrate_tree(model, heads, None, prefix_len=32, timer=ScriptedTimer())  # no accuracy in tmp_path
     assert rewritten["choices"] == quiet.choices != [] and spec.tree.size == len(quiet.choices) + 1
-    assert stale_reason(rewritten, "cpu", 1, "onednn") is None and rewritten["rounds"] == ROUNDS
+    assert stale_reason(rewritten, "cpu", 1, "onednn", "int8") is None and rewritten["rounds"] == ROUNDS
 
 
 def test_a_trustworthy_tree_json_is_reused_without_timing(model_and_heads, tmp_path, monkeypatch):
     model, heads = model_and_heads
-    assert stale_reason(GOOD, "cpu", 1, "onednn") is None
+    assert stale_reason(GOOD, "cpu", 1, "onednn", "int8") is None
     (tmp_path / "tree.json").write_text(json.dumps(GOOD))
 
     def no_timing(kind, size, run):

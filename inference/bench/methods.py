@@ -22,6 +22,7 @@ from headstart.inference.tree import tree_choices
 LOOKUP_SUFFIX = " +lookup"  # the heads with chains from the context drafted too
 FIXED_SUFFIX = " fixed"  # the heads' fixed tree every step (--adaptive both: beside the adaptive rows)
 EXACT_SUFFIX = " exact"  # the heads verifying each tree node with a one-token step's attention
+FLOAT32_SUFFIX = " float32 draft"  # the heads' float32 draft (--draft_int8 both: beside the int8 rows)
 
 
 @dataclass
@@ -159,11 +160,14 @@ def speculator_for(entry: HeadsEntry, model: PreTrainedModel, tokenizer, target_
 
 
 def heads_method(entry: HeadsEntry, spec: Speculator, stops: Sequence[int], device: torch.device, lookup: bool,
-                 exact: bool = False, adaptive: bool = True, suffix_fixed: bool = False) -> Method:
+                 exact: bool = False, adaptive: bool = True, suffix_fixed: bool = False, draft_int8: bool = True,
+                 suffix_float32: bool = False) -> Method:
     """The heads alone, or (lookup) with chains from the context drafted too (inference/lookup.py); exact: each
     tree node verified with a one-token step's attention (inference/forward.py); adaptive: each step verifies
-    what inference/adapt.py's policy chooses (off: the fixed tree; rows '... fixed' when both are run)."""
+    what inference/adapt.py's policy chooses (off: the fixed tree; rows '... fixed' when both are run); draft_int8:
+    the draft from its int8 copies (inference/int8_draft.py; off: float32, rows '... float32 draft' when both)."""
     def run(ids: list[int], max_new_tokens: int) -> Run:
+        spec.use_draft_int8(draft_int8)
         sync(device)
         t0 = time.perf_counter()
         out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact,
@@ -176,13 +180,17 @@ def heads_method(entry: HeadsEntry, spec: Speculator, stops: Sequence[int], devi
                    lookup_steps=s.lookup_steps, proposals=dict(s.proposals))
 
     def trace(ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        spec.use_draft_int8(draft_int8)
         out = spec.generate(ids, max_new_tokens, stop_token_ids=list(stops), lookup=lookup, exact=exact,
                             keep_logits=True, adaptive=adaptive)
         return list(out.tokens), torch.stack(out.logits)  # [n, V]
 
     name = (entry.label + (LOOKUP_SUFFIX if lookup else "") + (EXACT_SUFFIX if exact else "")
-            + (FIXED_SUFFIX if suffix_fixed and not adaptive else ""))
+            + (FIXED_SUFFIX if suffix_fixed and not adaptive else "")
+            + (FLOAT32_SUFFIX if suffix_float32 and not draft_int8 else ""))
+    spec.use_draft_int8(draft_int8)
     info = {"heads_dir": str(entry.path), "lookup": lookup, "exact": exact, "adaptive": adaptive,
+            "draft": spec.draft_weights,
             "draft_vocab_size": spec.heads.config.draft_vocab_size}
     method = spec.method  # the heads' declaration (heads/methods.py)
     if method.dynamic_tree:

@@ -3,7 +3,7 @@
     python -m headstart.inference.bench --heads runs/medusa-smollm2/heads [DIR ...] --prompts chitchat:heldout \
         --num_prompts 20 --max_new_tokens 128 --output runs/bench [--device cpu|cuda] [--dtype float32|bfloat16] \
         [--tree auto|default|PATH|CHOICES] [--no_prompt_lookup] [--prompt_lookup_num_tokens 10] [--lookup off|on|both] \
-        [--adaptive on|off|both] [--target NAME_OR_PATH] [--threads N] [--rounds N]
+        [--adaptive on|off|both] [--draft_int8 on|off|both] [--target NAME_OR_PATH] [--threads N] [--rounds N]
 
 Every heads directory must belong to the same target (checked by the weight fingerprint recorded in
 its config.json); the target is loaded once and shared. Each prompt is the row's first user turn
@@ -130,6 +130,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="verify each tree node with a one-token step's attention (rows '... exact'): half-"
                              "precision greedy output stays plain greedy's (inference/forward.py); on = only those "
                              "rows, both = with and without")
+    parser.add_argument("--draft_int8", choices=["off", "on", "both"], default="on",
+                        help="draft from int8 copies of the heads' linear layers where they are float32 on a CPU "
+                             "(inference/int8_draft.py; the Speculator's default); off = the float32 draft, both = "
+                             "each heads row also with the float32 draft (rows '... float32 draft'; their tree and "
+                             "step-cost curve are the int8 draft's)")
     return parser.parse_args(argv)
 
 
@@ -173,8 +178,10 @@ def bench_methods(args: argparse.Namespace, entries: Sequence[HeadsEntry], specs
         for lookup in MODES[args.lookup]:
             for exact in MODES[args.exact]:
                 for adaptive in ADAPTIVE_MODES[args.adaptive]:
-                    methods.append(heads_method(entry, spec, stops, device, lookup, exact, adaptive,
-                                                suffix_fixed=args.adaptive == "both"))
+                    for int8 in ADAPTIVE_MODES[args.draft_int8]:
+                        methods.append(heads_method(entry, spec, stops, device, lookup, exact, adaptive,
+                                                    suffix_fixed=args.adaptive == "both", draft_int8=int8,
+                                                    suffix_float32=args.draft_int8 == "both"))
     return methods
 
 
@@ -263,6 +270,7 @@ def bench_settings(args: argparse.Namespace, command: str, device: torch.device,
         "prompt_lookup_num_tokens": None if args.no_prompt_lookup else args.prompt_lookup_num_tokens,
         "heads_lookup": args.lookup, "adaptive": args.adaptive,
         "exact": args.exact,
+        "draft_int8": args.draft_int8,
         "rows_invariant": rows_invariant(model, max(s.tree_size for s in specs)) if args.exact != "off" else None,
         "stop_token_ids": list(stops), "batch_size": 1, "warmup_rounds": 1, "timed_rounds": args.rounds,
         "order": [m.name for m in methods],
