@@ -80,7 +80,8 @@ class TreeCalibration:
     other_cores: float | None = None  # CPU cores other processes used on average during the timings (None: unknown)
     idle_cores: float = 0.0  # cores the timing left to other processes (usable cores less torch's threads)
     choices_by_size: dict[int, list[list[int]]] = field(default_factory=dict)
-    draft_weights: str = "float32"  # the draft's linear weights during the timings: "float32" or "int8" (inference/int8_draft.py)
+    # the draft's linear weights during the timings: "float32" or "int8" (inference/int8_draft.py)
+    draft_weights: str = "float32"
 
     def fallback_reason(self) -> str:
         """Why the timings were not trusted, for a note to the user."""
@@ -139,7 +140,8 @@ def check_tree_record(record: dict, path: Path) -> dict:
             checked(value, float, path, f"{name}[{size}]", low, None, fix)
     if record.get("accuracy") is not None:
         checked_rates(record["accuracy"], path, "accuracy", fix)
-    for name, kind in (("noisy", bool), ("rounds", int), ("threads", int), ("device", str), ("linear", str), ("draft_weights", str)):
+    for name, kind in (("noisy", bool), ("rounds", int), ("threads", int), ("device", str), ("linear", str),
+                       ("draft_weights", str)):
         if record.get(name) is not None:
             checked(record[name], kind, path, name, fix=fix)
     return record

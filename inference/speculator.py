@@ -91,9 +91,10 @@ class Speculator:
         self.draft_project = (projection(heads.draft_lm_head_weight(model.get_output_embeddings().weight), kernels)
                               if self.method.scores_target_rows(heads.config) else None)
         self.float_project = self.draft_project
-        self.int8_project = (Int8Linear(self.draft_project) if self.draft_project is not None
-                             and int8_applies(self.draft_project) else self.draft_project)
-        self.int8_swap = Int8Swap(heads)  # the heads' int8 copies (none where their layers are not float32 on a CPU)
+        # the int8 copies of the heads' layers and of draft_project, made when first asked for (none where the
+        # layers are not float32 on a CPU); a float32-only Speculator (inference/acceptance.py) never makes them
+        self.int8_swap: Int8Swap | None = None
+        self.int8_project = None
         self.draft_int8 = False
         self.use_draft_int8(draft_int8)
         self.tree: Tree | None = None  # a static tree's method: the tree
@@ -103,6 +104,12 @@ class Speculator:
     def use_draft_int8(self, int8: bool) -> None:
         """Draft from the int8 copies of the heads' linear layers and scored lm_head rows (False: the float32
         originals), from now on; where none applies (not float32 on a CPU) the draft stays as it is."""
+        if int8 and self.int8_swap is None:
+            project = self.float_project
+            self.int8_project = Int8Linear(project) if project is not None and int8_applies(project) else project
+            self.int8_swap = Int8Swap(self.heads)
+        if self.int8_swap is None:  # never asked for int8: the float32 layers are in place
+            return
         int8 = int8 and (bool(self.int8_swap.slots) or self.int8_project is not self.float_project)
         self.int8_swap.use(int8)
         self.draft_project = self.int8_project if int8 else self.float_project

@@ -82,8 +82,9 @@ def test_cpu_linears_are_swapped_too():
 def dflash_draft(model) -> DFlashDraft:
     torch.manual_seed(0)
     vocab = model.config.vocab_size
-    draft = DFlashDraft(dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=vocab - 1, feature_layers=[1, 3],
-                                          target_info={"name": "tiny", "fingerprint": fingerprint(model)}))
+    config = dflash_config_for(model, num_layers=2, block_size=4, mask_token_id=vocab - 1, feature_layers=[1, 3],
+                               target_info={"name": "tiny", "fingerprint": fingerprint(model)})
+    draft = DFlashDraft(config)
     with torch.no_grad():
         draft.norm.weight.copy_(model.model.norm.weight)
         draft.mask_embedding.copy_(model.get_input_embeddings().weight[3])
@@ -112,6 +113,7 @@ def test_int8_draft_decodes_the_greedy_output_and_float32_comes_back():
     assert not any(isinstance(m, Int8Linear) for m in draft.modules())
     plain = Speculator(model, dflash_draft(model), tree="default", draft_int8=False)
     assert plain.draft_weights == "float32" and not any(isinstance(m, Int8Linear) for m in plain.heads.modules())
+    assert plain.int8_swap is None and plain.int8_project is None  # no int8 copies made for a float32 draft
 
 
 def test_the_tree_calibration_records_the_drafts_precision(tmp_path, monkeypatch):
