@@ -13,7 +13,12 @@ docs/generation.md), else inference/tree.py's DEFAULT_ACCURACY; LOOKUP_PRIOR and
 n-gram table. Lookup's and the table's priors decay with the counts; the heads' does not (RateTable), so where a
 one-node draft costs next to nothing the heads keep drafting through a streak of misses. A tree's
 expected tokens is 1 + the sum over its nodes of the product of the rates along the node's path, as
-inference/tree.py sizes trees.
+inference/tree.py sizes trees. The plan sizes the heads' tree and the lookup trie before the heads draft, as if
+their nodes were distinct; once both are merged (a token both drafted is one node) a tree with lookup's branches in
+it is cut to the nodes that pay (`prune`, AdaptivePolicy._prune): a merged node is right when either source is,
+siblings share their parent's chance, and nodes are kept by path value up to the count with the most expected
+tokens per step cost. A heads-only tree is left as drafted (Medusa's and DFlash's take their shape from the step's
+own probabilities, which the rates do not see).
 
 A step of n nodes costs ratio(n) one-token steps (the step-cost curve `--tree auto` measured, inference/calibrate.py,
 else PRIOR_STEP_RATIO) plus the heads' draft when they draft (measured the same way, else the priors): never this
@@ -68,6 +73,7 @@ LOOKUP_PRIOR_NEXT = 0.7
 # one repeated in this context; the observed rates take over within a few trials)
 NGRAM_PRIOR_FIRST = {1: 0.2, 2: 0.3, 3: 0.4, 4: 0.5}
 NGRAM_PRIOR_NEXT = 0.6
+LOOKUP_SOURCES = {"lookup": "lookup", "ngram": "lookup"}  # key source -> the plan's source (the trie holds both)
 HEADS_RANKS = 4  # ranks per depth the heads' trees may use
 MAX_PROBE_GAP = 8  # failed probes stretch the wait for the next one up to this many times probe_every
 PROBE_BUDGET = 0.02  # ... and only while a probe's extra cost, spread over the wait, is above this share of a step
@@ -84,6 +90,7 @@ class AdaptConfig:
     prior_weight: float = 0.5  # the prior counts as this many trials
     probe_every: int = 4  # steps a source can go unverified before it is verified once at its smallest
     lasting_prior: tuple[str, ...] = ("heads",)  # sources whose prior never decays (RateTable)
+    prune: bool = True  # a tree with lookup's branches in it: verify only the nodes that pay (AdaptivePolicy._prune)
 
 
 class RateTable:
@@ -167,12 +174,17 @@ class Plan:
     lookup_depth: int
     trie: list[tuple[int, int, list[Key], int]] = field(default_factory=list)  # AdaptivePolicy._lookup_trie's
     probes: list[str] = field(default_factory=list)  # sources verified only as a probe ("heads", "lookup")
+    possible: tuple[str, ...] = ()  # sources that had something to draft this step
+    pruned: list[str] = field(default_factory=list)  # sources planned whose every node the merged tree's cut dropped
 
     @property
     def kind(self) -> str:
-        if self.heads_choices and self.lookup_depth:
+        """What the step verified: "both", "heads", "lookup" or "plain"."""
+        heads = bool(self.heads_choices) and "heads" not in self.pruned
+        lookup = bool(self.lookup_depth) and "lookup" not in self.pruned
+        if heads and lookup:
             return "both"
-        return "heads" if self.heads_choices else "lookup" if self.lookup_depth else "plain"
+        return "heads" if heads else "lookup" if lookup else "plain"
 
 
 class AdaptivePolicy:
@@ -291,11 +303,17 @@ class AdaptivePolicy:
         if len(lookups) > 1 and not depth and self.unverified["lookup"] >= self.probe_gap["lookup"]:
             depth = lookups[min(2, len(lookups) - 1)][0]
             probes.append("lookup")
-        for source, used, possible in (("heads", choices, len(heads) > 1), ("lookup", depth, len(lookups) > 1)):
-            self.unverified[source] = 0 if used or not possible else self.unverified[source] + 1
-            if used and source not in probes:
-                self.probe_gap[source] = cfg.probe_every
-        return Plan(heads_choices=choices, lookup_depth=depth, trie=trie, probes=probes)
+        possible = tuple(source for source, options in (("heads", heads), ("lookup", lookups)) if len(options) > 1)
+        return Plan(heads_choices=choices, lookup_depth=depth, trie=trie, probes=probes, possible=possible)
+
+    def _count_unverified(self, plan: Plan) -> None:
+        """After the step's tree is final: a source that could draft and was not verified waits one step longer
+        for its probe; one verified on its merits (not as a probe) is probed at the shortest wait again."""
+        for source in ("heads", "lookup"):
+            used = source not in plan.pruned and bool(plan.heads_choices if source == "heads" else plan.lookup_depth)
+            self.unverified[source] = 0 if used or source not in plan.possible else self.unverified[source] + 1
+            if used and source not in plan.probes:
+                self.probe_gap[source] = self.config.probe_every
 
     def build(self, plan: Plan, root: int, heads_tree: Tree | None = None,
               heads_tokens: torch.Tensor | None = None) -> tuple[Tree, torch.Tensor, list[list[Key]]]:
@@ -322,13 +340,63 @@ class AdaptivePolicy:
                 keys.append([])
             keys[node].extend(node_keys)
             trie_node.append(node)
-        if heads_tree is not None and len(parents) == heads_tree.size:
+        if self.config.prune and plan.lookup_depth and not plan.probes and len(parents) > 2:
+            parents, tokens, keys = self._prune(parents, tokens, keys)
+            kept = {LOOKUP_SOURCES.get(key[0], key[0]) for node_keys in keys for key in node_keys}
+            planned = [source for source, drafted in (("heads", plan.heads_choices), ("lookup", plan.lookup_depth))
+                       if drafted]
+            plan.pruned = [source for source in planned if source not in kept]
+        self._count_unverified(plan)
+        if heads_tree is not None and parents == list(heads_tree.parents):
             tree = heads_tree
         else:
             tree = self.trees.get(tuple(parents))
             if tree is None:
                 tree = self.trees[tuple(parents)] = tree_from_parents(parents)
         return tree, torch.tensor(tokens, dtype=torch.long), keys
+
+    def _node_rate(self, keys: list[Key]) -> float:
+        """P(a node is accepted | its parent was): its proposer's rate, or where several proposers drafted the same
+        token, the chance that at least one is right (noisy-or; the plan counted each of them as its own node)."""
+        miss = 1.0
+        for key in keys:
+            miss *= 1.0 - self.rates.rate(key)
+        return 1.0 - miss
+
+    def _prune(self, parents: list[int], tokens: list[int], keys: list[list[Key]]
+               ) -> tuple[list[int], list[int], list[list[Key]]]:
+        """The merged tree cut to the nodes worth verifying: the plan sized the heads' tree and the lookup trie
+        before the heads drafted, as if their nodes were distinct; once merged, a token both drafted is one node
+        (noisy-or of their rates) and siblings are exclusive (at most one is the target's token: their rates are
+        scaled to sum to at most 1). A node's value is the product of the rates on its path; the nodes are taken by
+        value (a parent before its children) up to the count with the most expected tokens per step cost (the draft
+        is paid already). -> parents, tokens, keys of the kept nodes, in their order."""
+        n = len(parents)
+        rates = [1.0] + [self._node_rate(keys[i]) for i in range(1, n)]
+        children: dict[int, list[int]] = {}
+        for node in range(1, n):
+            children.setdefault(parents[node], []).append(node)
+        for siblings in children.values():
+            mass = sum(rates[c] for c in siblings)
+            if mass > 1.0:
+                for c in siblings:
+                    rates[c] /= mass
+        value = [1.0] * n
+        for node in range(1, n):  # parents come first
+            value[node] = value[parents[node]] * rates[node]
+        order = sorted(range(1, n), key=lambda node: (-value[node], node))  # a parent is never after its child
+        best_count, best_rate, gain = 0, 1.0 / self.cost.ratio(1), 0.0
+        for count, node in enumerate(order, start=1):
+            gain += value[node]
+            rate = (1.0 + gain) / self.cost.ratio(count + 1)
+            if rate > best_rate:
+                best_count, best_rate = count, rate
+        if best_count == n - 1:
+            return parents, tokens, keys
+        kept = sorted([0] + order[:best_count])
+        new_index = {old: new for new, old in enumerate(kept)}
+        return ([-1] + [new_index[parents[node]] for node in kept[1:]], [tokens[node] for node in kept],
+                [keys[node] for node in kept])
 
     def observe(self, plan: Plan, tree: Tree, keys: list[list[Key]], path: list[int]) -> None:
         """Learn from one verification: every node whose parent was accepted is a trial for its keys."""

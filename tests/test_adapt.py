@@ -9,7 +9,8 @@ import torch
 from conftest import chi_square_pvalue, exact_first_three, tiny_model
 
 from headstart.heads.medusa import MedusaConfig, MedusaHeads
-from headstart.inference.adapt import MAX_PROBE_GAP, AdaptConfig, AdaptivePolicy, StepCost
+from headstart.inference.adapt import (LOOKUP_PRIOR_FIRST, LOOKUP_PRIOR_NEXT, MAX_PROBE_GAP, AdaptConfig,
+                                       AdaptivePolicy, StepCost)
 from headstart.inference.decode import SamplingConfig, speculative_generate
 from headstart.inference.speculator import Speculator
 from headstart.inference.tree import tree_from_choices
@@ -159,7 +160,7 @@ def test_two_sources_right_half_the_time_each_are_verified_together():
 
 
 def test_merged_tree_shares_nodes_both_drafted():
-    policy = AdaptivePolicy(AdaptConfig(), heads_depth=2, lookup=True)
+    policy = AdaptivePolicy(AdaptConfig(prune=False), heads_depth=2, lookup=True)  # the merge alone (cut: below)
     context = [7, 8, 9, 4, 5, 7, 8]  # tail 7 8 occurred: branch [9, 4, 5, 7, 8]
     plan = policy.plan(context)
     plan.heads_choices, plan.lookup_depth = [[0], [1], [0, 0]], 3
@@ -168,6 +169,53 @@ def test_merged_tree_shares_nodes_both_drafted():
     assert tokens.tolist() == [8, 9, 6, 4, 5]  # lookup's 9 and 4 are the heads' nodes; its 5 is new
     assert tree.parents == [-1, 0, 0, 1, 3]
     assert {k[0] for k in keys[1]} == {"heads", "lookup"} and [k[0] for k in keys[4]] == ["lookup"]
+
+
+def _merged_step(policy: AdaptivePolicy):
+    """The merge test's step: heads [[0], [1], [0, 0]] drafting 9 then 4, or 6; lookup 3 deep (9, 4, 5)."""
+    plan = policy.plan([7, 8, 9, 4, 5, 7, 8])  # tail 7 8 occurred: the branch [9, 4, 5, 7, 8] after a 2-token match
+    plan.heads_choices, plan.lookup_depth, plan.probes = [[0], [1], [0, 0]], 3, []
+    tree, tokens, keys = policy.build(plan, 8, tree_from_choices(plan.heads_choices), torch.tensor([8, 9, 6, 4]))
+    return plan, tree, tokens, keys
+
+
+def test_the_merged_tree_keeps_the_nodes_that_pay():
+    """Heads rates .6 / .1 at depth 1 and .5 at depth 2, lookup's prior .5 then .7 (a 2-token match): the merged
+    nodes 9 and 4 are right when either source is (noisy-or .8 and .85), so the path values are 9: .8, 4: .68, 5: .476
+    and the heads' runner-up 6: .1. At a tenth of a step a node, the best count is 3 (2.956 tokens for 1.3 steps,
+    against 3.056 for 1.4 with the runner-up): the runner-up is cut, the lookup node under the merged ones kept."""
+    assert (LOOKUP_PRIOR_FIRST[2], LOOKUP_PRIOR_NEXT) == (0.5, 0.7)
+    linear = StepCost({1: 1.0, 5: 1.4}, {0: 0.0})
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.6, 0.1], [0.5, 0.1]], heads_depth=2, lookup=True,
+                            cost=linear)
+    plan, tree, tokens, keys = _merged_step(policy)
+    assert tokens.tolist() == [8, 9, 4, 5] and tree.parents == [-1, 0, 1, 2]
+    assert policy._node_rate(keys[1]) == pytest.approx(0.8) and policy._node_rate(keys[2]) == pytest.approx(0.85)
+    assert plan.kind == "both" and plan.pruned == []
+    uncut = AdaptivePolicy(AdaptConfig(prune=False), heads_accuracy=[[0.6, 0.1], [0.5, 0.1]], heads_depth=2,
+                           lookup=True, cost=linear)
+    assert _merged_step(uncut)[2].tolist() == [8, 9, 6, 4, 5]
+    plan = policy.plan([1, 2, 3])  # nothing to look up: a heads-only tree is verified as drafted
+    plan.heads_choices, plan.probes = [[0], [1], [0, 0]], []
+    tree, tokens, _ = policy.build(plan, 8, tree_from_choices(plan.heads_choices), torch.tensor([8, 9, 6, 4]))
+    assert tokens.tolist() == [8, 9, 6, 4] and plan.kind == "heads"
+
+
+def test_a_source_whose_nodes_are_all_cut_was_not_verified():
+    """Heads rates .9 / .05 at depth 1, .9 at depth 2; lookup drafts 3, 4, 5 beside the heads' 9 and 6 (siblings:
+    their rates .9 + .05 + .5 scaled to sum to 1). At half a step a node the best tree is the heads' 9 -> 4 (2.18
+    tokens for 2 steps, against 2.52 for 2.5 with lookup's 3): every lookup node is cut, so the step verified the
+    heads only and lookup waits a step longer for its probe."""
+    steep = StepCost({1: 1.0, 5: 3.0}, {0: 0.0})
+    policy = AdaptivePolicy(AdaptConfig(), heads_accuracy=[[0.9, 0.05], [0.9, 0.05]], heads_depth=2, lookup=True,
+                            cost=steep)
+    plan = policy.plan([7, 8, 3, 4, 5, 7, 8])  # the branch [3, 4, 5, 7, 8] after a 2-token match
+    plan.heads_choices, plan.lookup_depth, plan.probes = [[0], [1], [0, 0]], 3, []
+    policy.unverified["lookup"] = 2
+    tree, tokens, keys = policy.build(plan, 8, tree_from_choices(plan.heads_choices), torch.tensor([8, 9, 6, 4]))
+    assert tokens.tolist() == [8, 9, 4] and tree.parents == [-1, 0, 1]
+    assert plan.pruned == ["lookup"] and plan.kind == "heads" and policy.unverified["lookup"] == 3
+    assert policy.unverified["heads"] == 0
 
 
 def test_step_cost_interpolates_and_takes_the_nearest_draft_size():
